@@ -1,0 +1,28 @@
+"""resumable: checkpointable data-loading pipelines for training large models.
+
+    import resumable as rs
+    pipe = rs.jsonl("data/*.jsonl").shuffle(seed=0).shard().map(tokenize).batch(8)
+    state = pipe.get_state()   # small JSON dict; pipe.set_state(state) continues exactly
+"""
+
+from resumable import nodes
+from resumable.errors import ConfigError, ResumableError, SourceError, StateError
+from resumable.node import IndexedNode, Node
+from resumable.order.topology import Topology
+from resumable.sources.jsonl import jsonl
+from resumable.sources.memory import from_list
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigError",
+    "IndexedNode",
+    "Node",
+    "ResumableError",
+    "SourceError",
+    "StateError",
+    "Topology",
+    "from_list",
+    "jsonl",
+    "nodes",
+]

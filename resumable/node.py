@@ -1,0 +1,368 @@
+"""Node base classes: the iteration protocol, state save/restore and the fluent methods.
+
+Two kinds of node:
+
+* ``Node``: an iterator with ``get_state()`` / ``set_state()``. Filter, batch and repeat are
+  plain nodes: they pull from their upstream and keep only small counters.
+* ``IndexedNode``: a node whose record at position ``i`` of epoch ``e`` is a pure function of
+  ``(i, e)`` (sources, shuffle, shard, map over those). Random access is stateless; the only
+  counters are the cursor ``(epoch, position)`` of the outermost indexed node being iterated,
+  so resuming is arithmetic, never a replay.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Generic, Sequence, TypeVar
+
+import numpy as np
+
+from resumable.errors import ConfigError, StateError
+from resumable.state import (
+    ENDED,
+    KIND,
+    STATE_VERSION,
+    UPSTREAM,
+    VERSION,
+    check_config,
+    check_header,
+    check_json,
+    require,
+    require_count,
+)
+
+if TYPE_CHECKING:
+    from resumable.ops.batch import Batch
+    from resumable.ops.filter import Filter
+    from resumable.ops.map import IndexedMap, Map
+    from resumable.ops.repeat import Repeat
+    from resumable.order.shard import Shard
+    from resumable.order.shuffle import Shuffle
+    from resumable.sources.source import Source
+
+T = TypeVar("T")
+U = TypeVar("U")
+
+EPOCH = "epoch"
+POSITION = "position"
+
+# The cursor reads records in chunks that start small (a fast first record after a resume)
+# and double up to a size that amortises per-chunk work.
+MIN_CHUNK = 16
+MAX_CHUNK = 4096
+
+
+class Skipped:
+    """Marker a source returns for a record it skipped (``on_error="skip"``)."""
+
+    def __repr__(self) -> str:
+        return "SKIPPED"
+
+
+SKIPPED = Skipped()
+
+
+class Node(Generic[T]):
+    """An iterator over one epoch of items whose position can be saved and restored."""
+
+    kind: ClassVar[str] = "Node"
+    # Whether the upstream's state includes its counters. An indexed node reads its upstream
+    # by random access, so only the upstream's configuration matters.
+    _upstream_progress: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.kind = cls.__name__
+
+    def __init__(self, upstream: Node[Any] | None = None) -> None:
+        if upstream is not None and not isinstance(upstream, Node):
+            raise ConfigError(f"{type(self).__name__}: upstream must be a resumable node, got {type(upstream).__name__}")
+        self.upstream = upstream
+        self._ended = False
+
+    # -- iteration --------------------------------------------------------------------------
+
+    def __iter__(self) -> Node[T]:
+        """Return self; a node whose epoch has ended starts the next one (like a DataLoader)."""
+        if self._ended:
+            self.next_epoch()
+        return self
+
+    def __next__(self) -> T:
+        try:
+            return self._next()
+        except StopIteration:
+            self._ended = True
+            raise
+
+    def _next(self) -> T:
+        raise NotImplementedError
+
+    def next_epoch(self) -> None:
+        """Start the next epoch: a full new pass, in a new shuffle order."""
+        if self.upstream is not None:
+            self.upstream.next_epoch()
+        self._ended = False
+
+    # -- state ------------------------------------------------------------------------------
+
+    def _config(self) -> dict[str, Any]:
+        """Options that shape the data stream; a state saved with other values is rejected."""
+        return {}
+
+    def _progress(self) -> dict[str, Any]:
+        """Counters that change during iteration."""
+        return {}
+
+    def _restore(self, state: dict[str, Any], path: str) -> None:
+        """Validate and load this node's counters from ``state`` (upstream already loaded)."""
+
+    def get_state(self) -> dict[str, Any]:
+        """The position after the last item handed out, as a small JSON-serialisable dict."""
+        return self._state(progress=True)
+
+    def _state(self, progress: bool) -> dict[str, Any]:
+        state = {KIND: self.kind, VERSION: STATE_VERSION, **self._config()}
+        if progress:
+            state.update(self._progress())
+            state[ENDED] = self._ended
+        if self.upstream is not None:
+            state[UPSTREAM] = self.upstream._state(progress=self._upstream_progress)
+        return state
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Continue exactly after the item at which ``state`` was taken.
+
+        Raises ``StateError`` naming the node's path if the state belongs to another pipeline,
+        version or data; the node is then left as it was.
+        """
+        check_json(state, self.kind)
+        previous = self.get_state()
+        try:
+            self._load(state, self.kind)
+        except StateError:
+            self._load(previous, self.kind)
+            raise
+
+    def _load(self, state: Any, path: str, progress: bool = True) -> None:
+        check_header(state, self.kind, path)
+        self._check_config(state, path)
+        if self.upstream is not None:
+            upstream_state = require(state, UPSTREAM, dict, path)
+            self.upstream._load(upstream_state, f"{path} > {self.upstream.kind}", self._upstream_progress)
+        if progress:
+            self._restore(state, path)
+            self._ended = require(state, ENDED, bool, path)
+
+    def _check_config(self, state: dict[str, Any], path: str) -> None:
+        """Reject a state saved with other options or over other data."""
+        check_config(state, self._config(), path)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Alias of ``get_state`` (``torch.distributed.checkpoint.Stateful`` protocol)."""
+        return self.get_state()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Alias of ``set_state`` (``torch.distributed.checkpoint.Stateful`` protocol)."""
+        self.set_state(state_dict)
+
+    # -- fluent construction ----------------------------------------------------------------
+
+    def map(self, fn: Callable[[T], U]) -> Node[U]:
+        """Apply ``fn`` to every item."""
+        from resumable.ops.map import Map
+
+        return Map(self, fn)
+
+    def filter(self, predicate: Callable[[T], bool]) -> Filter[T]:
+        """Keep the items for which ``predicate`` is true."""
+        from resumable.ops.filter import Filter
+
+        return Filter(self, predicate)
+
+    def batch(
+        self, batch_size: int, drop_last: bool = False, collate_fn: Callable[[list[T]], Any] | None = None
+    ) -> Batch[T]:
+        """Group items into lists of ``batch_size`` (passed through ``collate_fn`` if given)."""
+        from resumable.ops.batch import Batch
+
+        return Batch(self, batch_size, drop_last=drop_last, collate_fn=collate_fn)
+
+    def repeat(self, times: int | None = None) -> Repeat[T]:
+        """Run epochs back to back, forever or ``times`` times, reshuffling each epoch."""
+        from resumable.ops.repeat import Repeat
+
+        return Repeat(self, times)
+
+    def shuffle(self, seed: int = 0) -> Shuffle[T]:
+        """Global shuffle; needs random access (place it before filter, batch or pack)."""
+        raise ConfigError(f"{self.kind}: shuffle() needs random access; place it before filter, batch and pack")
+
+    def shard(
+        self, rank: int | None = None, world_size: int | None = None, split_workers: bool = True
+    ) -> Shard[T]:
+        """Partition across ranks; needs random access (place it before filter, batch or pack)."""
+        raise ConfigError(f"{self.kind}: shard() needs random access; place it before filter, batch and pack")
+
+    def __repr__(self) -> str:
+        chain = []
+        node: Node[Any] | None = self
+        while node is not None:
+            chain.append(node.kind)
+            node = node.upstream
+        return f"<{' < '.join(chain)}>"
+
+
+class IndexedNode(Node[T]):
+    """A node with stateless random access; iterating it runs a cursor ``(epoch, position)``."""
+
+    upstream: IndexedNode[Any] | None
+    _upstream_progress = False
+
+    def __init__(self, upstream: IndexedNode[Any] | None = None) -> None:
+        if upstream is not None and not isinstance(upstream, IndexedNode):
+            raise ConfigError(
+                f"{type(self).__name__} needs random access, but {upstream.kind} is not indexed; "
+                "place it before filter, batch and pack"
+            )
+        super().__init__(upstream)
+        self._epoch = 0
+        self._reset_cursor(0)
+        self._decode: Callable[[Any], Any] | None = None
+        self._fns: tuple[Callable[[Any], Any], ...] = ()
+        self._chain_ready = False
+
+    # -- random access, overridden by subclasses ---------------------------------------------
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def leaf(self) -> Source[Any]:
+        """The source at the bottom of this indexed chain."""
+        if self.upstream is None:
+            raise NotImplementedError
+        return self.upstream.leaf
+
+    def _leaf_indices(self, positions: np.ndarray, epoch: int) -> np.ndarray:
+        """Map this node's positions in ``epoch`` to record indices of the leaf source."""
+        if self.upstream is None:
+            raise NotImplementedError
+        return self.upstream._leaf_indices(positions, epoch)
+
+    def _raw_chunk(self, start: int, count: int, epoch: int) -> Sequence[Any]:
+        """Undecoded records for positions ``[start, start + count)``; at least one, at most count."""
+        positions = np.arange(start, start + count, dtype=np.int64)
+        return self.leaf._raw_at(self._leaf_indices(positions, epoch))
+
+    def _record_fns(self) -> tuple[Callable[[Any], Any], ...]:
+        """Per-record functions (maps) applied after decoding, from the leaf up to here."""
+        if self.upstream is None:
+            return ()
+        return self.upstream._record_fns()
+
+    def __getitem__(self, position: int) -> T:
+        """The record at ``position`` of the current epoch, by random access."""
+        if not isinstance(position, (int, np.integer)) or not 0 <= position < len(self):
+            raise IndexError(f"{self.kind}: position {position!r} out of range [0, {len(self)})")
+        self._prepare_chain()
+        positions = np.array([position], dtype=np.int64)
+        raw = self.leaf._raw_at(self._leaf_indices(positions, self._epoch))[0]
+        return self._finish(raw, int(position), skip=False)  # type: ignore[no-any-return]
+
+    # -- fluent methods that keep random access ----------------------------------------------
+
+    def map(self, fn: Callable[[T], U]) -> IndexedMap[U]:  # type: ignore[override]
+        """Apply ``fn`` to every record, keeping random access (``fn`` must be pure)."""
+        from resumable.ops.map import IndexedMap
+
+        return IndexedMap(self, fn)
+
+    def shuffle(self, seed: int = 0) -> Shuffle[T]:
+        """Global shuffle: an O(1)-memory keyed permutation, new every epoch."""
+        from resumable.order.shuffle import Shuffle
+
+        return Shuffle(self, seed)
+
+    def shard(
+        self, rank: int | None = None, world_size: int | None = None, split_workers: bool = True
+    ) -> Shard[T]:
+        """Keep this consumer's stride of positions (rank, and DataLoader worker if any)."""
+        from resumable.order.shard import Shard
+
+        return Shard(self, rank, world_size, split_workers=split_workers)
+
+    # -- the cursor -------------------------------------------------------------------------
+
+    def _reset_cursor(self, position: int) -> None:
+        self._chunk: Sequence[Any] = ()
+        self._chunk_start = position
+        self._i = 0
+        self._n = 0
+        self._chunk_size = MIN_CHUNK
+
+    def _prepare_chain(self) -> None:
+        if not self._chain_ready:
+            self._decode = self.leaf._decoder()
+            self._fns = self._record_fns()
+            self._chain_ready = True
+
+    def __next__(self) -> T:
+        while True:
+            i = self._i
+            while i >= self._n:
+                self._fill()
+                i = self._i
+            self._i = i + 1
+            record = self._finish(self._chunk[i], self._chunk_start + i, skip=True)
+            if record is not SKIPPED:
+                return record  # type: ignore[no-any-return]
+
+    def _finish(self, raw: Any, position: int, skip: bool) -> Any:
+        """Decode a raw record and apply the maps; a bad record raises or returns SKIPPED."""
+        record = raw
+        if self._decode is not None:
+            try:
+                record = self._decode(raw)
+            except Exception as exc:  # noqa: BLE001 - the source decides what a decode error means
+                leaf_index = int(self._leaf_indices(np.array([position], dtype=np.int64), self._epoch)[0])
+                record = self.leaf._decode_failed(raw, leaf_index, exc, skip)
+                if record is SKIPPED:
+                    return SKIPPED
+        for fn in self._fns:
+            record = fn(record)
+        return record
+
+    def _fill(self) -> None:
+        start = self._chunk_start + self._n
+        total = len(self)
+        if start >= total:
+            self._chunk_start, self._i, self._n, self._chunk = total, 0, 0, ()
+            self._ended = True
+            raise StopIteration
+        self._prepare_chain()
+        chunk = self._raw_chunk(start, min(self._chunk_size, total - start), self._epoch)
+        self._chunk, self._chunk_start, self._i, self._n = chunk, start, 0, len(chunk)
+        self._chunk_size = min(self._chunk_size * 2, MAX_CHUNK)
+
+    @property
+    def position(self) -> int:
+        """Records of the current epoch handed out so far (skipped ones included)."""
+        return self._chunk_start + self._i
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def next_epoch(self) -> None:
+        self._epoch += 1
+        self._reset_cursor(0)
+        self._ended = False
+
+    def _progress(self) -> dict[str, Any]:
+        return {EPOCH: self._epoch, POSITION: self._chunk_start + self._i}
+
+    def _restore(self, state: dict[str, Any], path: str) -> None:
+        epoch = require_count(state, EPOCH, path)
+        position = require_count(state, POSITION, path, upper=len(self))
+        self._epoch = epoch
+        self._reset_cursor(position)

@@ -1,0 +1,27 @@
+"""Every node's constructor, for building pipelines without the fluent methods."""
+
+from resumable.node import IndexedNode, Node
+from resumable.ops.batch import Batch
+from resumable.ops.filter import Filter
+from resumable.ops.map import IndexedMap, Map
+from resumable.ops.repeat import Repeat
+from resumable.order.shard import Shard
+from resumable.order.shuffle import Shuffle
+from resumable.sources.jsonl import JsonlSource
+from resumable.sources.memory import FromList
+from resumable.sources.source import Source
+
+__all__ = [
+    "Batch",
+    "Filter",
+    "FromList",
+    "IndexedMap",
+    "IndexedNode",
+    "JsonlSource",
+    "Map",
+    "Node",
+    "Repeat",
+    "Shard",
+    "Shuffle",
+    "Source",
+]

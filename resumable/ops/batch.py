@@ -1,0 +1,52 @@
+"""Batch: group consecutive items."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Generic, TypeVar
+
+from resumable.errors import ConfigError
+from resumable.node import Node
+
+T = TypeVar("T")
+
+BATCH_SIZE = "batch_size"
+DROP_LAST = "drop_last"
+
+
+class Batch(Node[Any], Generic[T]):
+    """Lists of ``batch_size`` items, collated by ``collate_fn`` if given.
+
+    A batch is assembled within one ``next()`` call, so between calls nothing is buffered and
+    the state is the upstream's. The last, shorter batch of an epoch is kept unless ``drop_last``.
+    """
+
+    def __init__(
+        self,
+        upstream: Node[T],
+        batch_size: int,
+        drop_last: bool = False,
+        collate_fn: Callable[[list[T]], Any] | None = None,
+    ) -> None:
+        super().__init__(upstream)
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
+            raise ConfigError(f"{self.kind}: batch_size must be a positive int, got {batch_size!r}")
+        if collate_fn is not None and not callable(collate_fn):
+            raise ConfigError(f"{self.kind}: collate_fn must be callable, got {type(collate_fn).__name__}")
+        self.batch_size = batch_size
+        self.drop_last = bool(drop_last)
+        self.collate_fn = collate_fn
+
+    def _config(self) -> dict[str, Any]:
+        return {BATCH_SIZE: self.batch_size, DROP_LAST: self.drop_last}
+
+    def _next(self) -> Any:
+        items: list[T] = []
+        upstream = self.upstream
+        for _ in range(self.batch_size):
+            try:
+                items.append(next(upstream))  # type: ignore[call-overload]
+            except StopIteration:
+                break
+        if not items or (self.drop_last and len(items) < self.batch_size):
+            raise StopIteration
+        return self.collate_fn(items) if self.collate_fn is not None else items

@@ -1,0 +1,42 @@
+"""Filter: keep the items a predicate accepts, counting the ones it drops."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, TypeVar
+
+from resumable.errors import ConfigError
+from resumable.node import Node
+from resumable.state import require_count
+
+T = TypeVar("T")
+
+DROPPED = "dropped"
+
+
+class Filter(Node[T]):
+    """Keep items for which ``predicate(item)`` is true; ``dropped`` counts the others this epoch."""
+
+    def __init__(self, upstream: Node[T], predicate: Callable[[T], bool]) -> None:
+        super().__init__(upstream)
+        if not callable(predicate):
+            raise ConfigError(f"{self.kind}: expected a callable predicate, got {type(predicate).__name__}")
+        self.predicate = predicate
+        self.dropped = 0
+
+    def _next(self) -> T:
+        upstream, predicate = self.upstream, self.predicate
+        while True:
+            item = next(upstream)  # type: ignore[call-overload]
+            if predicate(item):
+                return item  # type: ignore[no-any-return]
+            self.dropped += 1
+
+    def next_epoch(self) -> None:
+        super().next_epoch()
+        self.dropped = 0
+
+    def _progress(self) -> dict[str, Any]:
+        return {DROPPED: self.dropped}
+
+    def _restore(self, state: dict[str, Any], path: str) -> None:
+        self.dropped = require_count(state, DROPPED, path)

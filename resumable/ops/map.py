@@ -1,0 +1,55 @@
+"""Map: apply a function to every item."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence, TypeVar
+
+import numpy as np
+
+from resumable.errors import ConfigError
+from resumable.node import IndexedNode, Node
+
+T = TypeVar("T")
+U = TypeVar("U")
+
+
+def _check_callable(kind: str, fn: Any) -> None:
+    if not callable(fn):
+        raise ConfigError(f"{kind}: expected a callable, got {type(fn).__name__}")
+
+
+class Map(Node[U]):
+    """Apply ``fn`` to each item of any upstream. Holds no state of its own."""
+
+    def __init__(self, upstream: Node[T], fn: Callable[[T], U]) -> None:
+        super().__init__(upstream)
+        _check_callable(self.kind, fn)
+        self.fn = fn
+
+    def _next(self) -> U:
+        return self.fn(next(self.upstream))  # type: ignore[arg-type]
+
+
+class IndexedMap(IndexedNode[U]):
+    """Apply a pure ``fn`` to each record of an indexed upstream, keeping random access.
+
+    Record ``i`` is ``fn(upstream[i])``, so shuffle and shard may come after the map and a
+    resume never re-runs ``fn`` on records before the cursor.
+    """
+
+    def __init__(self, upstream: IndexedNode[T], fn: Callable[[T], U]) -> None:
+        super().__init__(upstream)
+        _check_callable(self.kind, fn)
+        self.fn = fn
+
+    def __len__(self) -> int:
+        return len(self.upstream)  # type: ignore[arg-type]
+
+    def _raw_chunk(self, start: int, count: int, epoch: int) -> Sequence[Any]:
+        return self.upstream._raw_chunk(start, count, epoch)  # type: ignore[union-attr]
+
+    def _leaf_indices(self, positions: np.ndarray, epoch: int) -> np.ndarray:
+        return self.upstream._leaf_indices(positions, epoch)  # type: ignore[union-attr]
+
+    def _record_fns(self) -> tuple[Callable[[Any], Any], ...]:
+        return (*self.upstream._record_fns(), self.fn)  # type: ignore[union-attr]

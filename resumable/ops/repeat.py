@@ -1,0 +1,61 @@
+"""Repeat: run epochs back to back."""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from resumable.errors import ConfigError
+from resumable.node import Node
+from resumable.state import require, require_count
+
+T = TypeVar("T")
+
+TIMES = "times"
+EPOCHS_DONE = "epochs_done"
+YIELDED = "yielded"
+
+
+class Repeat(Node[T]):
+    """Start the upstream's next epoch (a new shuffle order) each time it ends.
+
+    Runs forever when ``times`` is None, else for ``times`` epochs. An upstream epoch that
+    yields nothing ends the iteration instead of spinning forever.
+    """
+
+    def __init__(self, upstream: Node[T], times: int | None = None) -> None:
+        super().__init__(upstream)
+        if times is not None and (isinstance(times, bool) or not isinstance(times, int) or times <= 0):
+            raise ConfigError(f"{self.kind}: times must be a positive int or None, got {times!r}")
+        self.times = times
+        self.epochs_done = 0
+        self._yielded = False
+
+    def _config(self) -> dict[str, Any]:
+        return {TIMES: self.times}
+
+    def _next(self) -> T:
+        upstream = self.upstream
+        while True:
+            try:
+                item = next(upstream)  # type: ignore[call-overload]
+            except StopIteration:
+                self.epochs_done += 1
+                if not self._yielded or (self.times is not None and self.epochs_done >= self.times):
+                    raise
+                upstream.next_epoch()  # type: ignore[union-attr]
+                self._yielded = False
+                continue
+            self._yielded = True
+            return item  # type: ignore[no-any-return]
+
+    def next_epoch(self) -> None:
+        super().next_epoch()
+        self.epochs_done = 0
+        self._yielded = False
+
+    def _progress(self) -> dict[str, Any]:
+        return {EPOCHS_DONE: self.epochs_done, YIELDED: self._yielded}
+
+    def _restore(self, state: dict[str, Any], path: str) -> None:
+        self.epochs_done = require_count(state, EPOCHS_DONE, path)
+        self._yielded = require(state, YIELDED, bool, path)

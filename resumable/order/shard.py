@@ -1,0 +1,84 @@
+"""Shard: each rank (and each DataLoader worker) keeps its own stride of positions."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence, TypeVar
+
+import numpy as np
+
+from resumable.errors import ConfigError
+from resumable.node import IndexedNode
+from resumable.order.partition import shard_size, shard_to_global
+from resumable.order.topology import Topology, check_rank, dataloader_worker, distributed_rank
+
+T = TypeVar("T")
+
+RANK = "rank"
+WORLD_SIZE = "world_size"
+WORKER = "worker"
+NUM_WORKERS = "num_workers"
+
+
+class Shard(IndexedNode[T]):
+    """Positions ``c, c + C, ...`` of the upstream, for consumer ``c`` of ``C``.
+
+    ``rank`` and ``world_size`` default to torch.distributed, else RANK/WORLD_SIZE, else (0, 1).
+    Inside a torch DataLoader worker the rank's share is split further by worker
+    (``c = rank * num_workers + worker``) unless ``split_workers=False``. The topology is
+    resolved in the process that iterates, so a pipeline built before the workers start
+    still splits correctly.
+    """
+
+    def __init__(
+        self,
+        upstream: IndexedNode[T],
+        rank: int | None = None,
+        world_size: int | None = None,
+        split_workers: bool = True,
+    ) -> None:
+        super().__init__(upstream)
+        if (rank is None) != (world_size is None):
+            raise ConfigError(f"{self.kind}: give both rank and world_size, or neither")
+        if rank is not None:
+            check_rank(rank, world_size, self.kind)  # type: ignore[arg-type]
+        self._rank = rank
+        self._world_size = world_size
+        self.split_workers = split_workers
+        self._resolved: tuple[int, Topology] | None = None
+
+    @property
+    def topology(self) -> Topology:
+        """This process's consumer; resolved again after a fork (a new DataLoader worker)."""
+        pid = os.getpid()
+        if self._resolved is None or self._resolved[0] != pid:
+            if self._rank is None:
+                rank, world_size = distributed_rank()
+            else:
+                rank, world_size = self._rank, self._world_size  # type: ignore[assignment]
+            worker, num_workers = dataloader_worker() if self.split_workers else (0, 1)
+            self._resolved = (pid, Topology(rank, world_size, worker, num_workers))
+        return self._resolved[1]
+
+    def __len__(self) -> int:
+        topology = self.topology
+        return shard_size(len(self.upstream), topology.consumer, topology.num_consumers)  # type: ignore[arg-type]
+
+    def _leaf_indices(self, positions: np.ndarray, epoch: int) -> np.ndarray:
+        topology = self.topology
+        parent_positions = shard_to_global(positions, topology.consumer, topology.num_consumers)
+        return self.upstream._leaf_indices(parent_positions, epoch)  # type: ignore[union-attr]
+
+    def _raw_chunk(self, start: int, count: int, epoch: int) -> Sequence[Any]:
+        if self.topology.num_consumers == 1:
+            return self.upstream._raw_chunk(start, count, epoch)  # type: ignore[union-attr]
+        return super()._raw_chunk(start, count, epoch)
+
+    def _config(self) -> dict[str, Any]:
+        topology = self.topology
+        return {
+            RANK: topology.rank,
+            WORLD_SIZE: topology.world_size,
+            WORKER: topology.worker,
+            NUM_WORKERS: topology.num_workers,
+        }

@@ -1,0 +1,48 @@
+"""Shuffle: a global permutation of the upstream's positions, new every epoch."""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import numpy as np
+
+from resumable.errors import ConfigError
+from resumable.node import IndexedNode
+from resumable.order.lcg import Permutation
+
+T = TypeVar("T")
+
+SEED = "seed"
+
+
+class Shuffle(IndexedNode[T]):
+    """Position ``k`` of epoch ``e`` reads upstream position ``perm_{seed,e}(k)``.
+
+    The permutation is a keyed bijection computed by arithmetic: O(1) memory and O(1) random
+    access, so the state is just the cursor and a resume costs nothing extra.
+    """
+
+    def __init__(self, upstream: IndexedNode[T], seed: int = 0) -> None:
+        super().__init__(upstream)
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ConfigError(f"{self.kind}: seed must be a non-negative int, got {seed!r}")
+        self.seed = seed
+        self._permutation: tuple[int, int, Permutation] | None = None
+
+    def __len__(self) -> int:
+        return len(self.upstream)  # type: ignore[arg-type]
+
+    def permutation(self, epoch: int) -> Permutation:
+        """The permutation of ``epoch`` (cached for the last epoch asked for)."""
+        total = len(self)
+        cached = self._permutation
+        if cached is None or cached[0] != epoch or cached[1] != total:
+            cached = self._permutation = (epoch, total, Permutation(total, self.seed, epoch))
+        return cached[2]
+
+    def _leaf_indices(self, positions: np.ndarray, epoch: int) -> np.ndarray:
+        permuted = self.permutation(epoch).take(positions)
+        return self.upstream._leaf_indices(permuted, epoch)  # type: ignore[union-attr]
+
+    def _config(self) -> dict[str, Any]:
+        return {SEED: self.seed}

@@ -1,0 +1,70 @@
+"""Who is reading: rank and world size from torch.distributed or the environment, plus the
+DataLoader worker. Consumers are numbered ``rank * num_workers + worker``."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+from resumable.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Topology:
+    """One consumer's place among ``world_size * num_workers`` consumers."""
+
+    rank: int
+    world_size: int
+    worker: int = 0
+    num_workers: int = 1
+
+    @property
+    def consumer(self) -> int:
+        return self.rank * self.num_workers + self.worker
+
+    @property
+    def num_consumers(self) -> int:
+        return self.world_size * self.num_workers
+
+
+def distributed_rank() -> tuple[int, int]:
+    """``(rank, world_size)`` from an initialised torch.distributed, else RANK/WORLD_SIZE, else (0, 1).
+
+    torch is only consulted if already imported: if it is not, neither a process group nor a
+    DataLoader worker can exist, and importing it would cost a second at start-up.
+    """
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+    rank_text, world_text = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+    if rank_text is None and world_text is None:
+        return 0, 1
+    try:
+        rank, world_size = int(rank_text or "0"), int(world_text or "1")
+    except ValueError as exc:
+        raise ConfigError(f"RANK={rank_text!r} and WORLD_SIZE={world_text!r} must be integers") from exc
+    check_rank(rank, world_size, "environment RANK/WORLD_SIZE")
+    return rank, world_size
+
+
+def dataloader_worker() -> tuple[int, int]:
+    """``(worker_id, num_workers)`` inside a torch DataLoader worker, else (0, 1)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return 0, 1
+    info = torch.utils.data.get_worker_info()
+    if info is None:
+        return 0, 1
+    return info.id, info.num_workers
+
+
+def check_rank(rank: int, world_size: int, where: str) -> None:
+    """Raise ConfigError unless ``0 <= rank < world_size``."""
+    for name, value in (("rank", rank), ("world_size", world_size)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: {name} must be an int, got {value!r}")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ConfigError(f"{where}: need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")

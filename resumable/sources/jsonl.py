@@ -1,0 +1,181 @@
+"""JSONL source: many files as one global index space, read sequentially or at random.
+
+Each file has a line-offset index (``LineIndex``, kept in a sidecar file), so record ``i`` is
+one slice of a memory map: sequential reading takes large contiguous blocks and a resume seeks
+straight to the record's byte offset, at the same cost anywhere in a 100 GB file.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import orjson
+
+from resumable.errors import ConfigError, SourceError, StateError
+from resumable.node import SKIPPED
+from resumable.sources.files import Paths, expand_paths
+from resumable.sources.line_index import LineIndex
+from resumable.sources.source import Source
+from resumable.state import require
+
+logger = logging.getLogger("resumable")
+
+FILES = "files"
+ON_ERROR = "on_error"
+ON_ERROR_CHOICES = ("raise", "skip")
+
+# Sequential reads take whole records up to about this many bytes per block.
+BLOCK_BYTES = 1 << 16
+
+
+class JsonlSource(Source[Any]):
+    """Records (one JSON value per non-blank line) of one or more JSONL files.
+
+    Blank lines are not records. A malformed line raises ``SourceError`` naming the file and
+    line, or with ``on_error="skip"`` is skipped, counted in ``stats`` and logged. The state
+    holds each file's name, size and mtime: resuming on changed files is a ``StateError``.
+    """
+
+    def __init__(self, paths: Paths, on_error: str = "raise", cache_dir: str | None = None) -> None:
+        super().__init__()
+        if on_error not in ON_ERROR_CHOICES:
+            raise ConfigError(f"{self.kind}: on_error must be one of {ON_ERROR_CHOICES}, got {on_error!r}")
+        self.paths = expand_paths(paths, self.kind)
+        self.on_error = on_error
+        self.cache_dir = cache_dir
+        self._indices: list[LineIndex | None] = [LineIndex.open(p, cache_dir=cache_dir) for p in self.paths]
+        self._fingerprints = [[p, index.size, index.mtime_ns] for p, index in zip(self.paths, self._live_indices())]
+        counts = [index.num_records for index in self._live_indices()]
+        self._offsets = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+        self._total = int(self._offsets[-1])
+        if self._total == 0:
+            raise SourceError(f"{self.kind}: no records in {', '.join(self.paths)} (empty or blank files)")
+        self._blank_lines = sum(index.blank_lines for index in self._live_indices())
+        self._maps: list[mmap.mmap | None] = [None] * len(self.paths)
+        self.skipped = 0
+
+    def _live_indices(self) -> list[LineIndex]:
+        return [self._index(f) for f in range(len(self.paths))]
+
+    def __len__(self) -> int:
+        return self._total
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Records and files indexed, blank lines ignored, malformed records skipped so far."""
+        return {"records": self._total, "files": len(self.paths), "blank_lines": self._blank_lines, "skipped": self.skipped}
+
+    # -- state --------------------------------------------------------------------------------
+
+    def _config(self) -> dict[str, Any]:
+        return {ON_ERROR: self.on_error}
+
+    def _state(self, progress: bool) -> dict[str, Any]:
+        return {**super()._state(progress), FILES: self._fingerprints}
+
+    def _check_config(self, state: dict[str, Any], path: str) -> None:
+        super()._check_config(state, path)
+        saved = require(state, FILES, list, path)
+        if len(saved) != len(self._fingerprints):
+            raise StateError(f"{path}: state was saved over {len(saved)} files, this source has {len(self._fingerprints)}")
+        for saved_file, current in zip(saved, self._fingerprints):
+            if not (isinstance(saved_file, list) and len(saved_file) == 3):
+                raise StateError(f"{path}: malformed file fingerprint {saved_file!r}")
+            name, size, mtime_ns = saved_file
+            if not isinstance(name, str) or os.path.basename(name) != os.path.basename(current[0]):
+                raise StateError(f"{path}: state was saved over file {name!r} where this source has {current[0]!r}")
+            if (size, mtime_ns) != (current[1], current[2]):
+                raise StateError(
+                    f"{path}: file {current[0]!r} changed since the state was saved "
+                    f"(size {size} -> {current[1]}, mtime_ns {mtime_ns} -> {current[2]})"
+                )
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def _index(self, file: int) -> LineIndex:
+        index = self._indices[file]
+        if index is None:  # reopened after pickling into a DataLoader worker
+            index = LineIndex.open(self.paths[file], cache_dir=self.cache_dir)
+            expected = self._fingerprints[file]
+            if (index.size, index.mtime_ns) != (expected[1], expected[2]):
+                raise SourceError(f"{self.kind}: file {self.paths[file]!r} changed since the pipeline was built")
+            self._indices[file] = index
+        return index
+
+    def _map(self, file: int) -> mmap.mmap:
+        mapped = self._maps[file]
+        if mapped is None:
+            with open(self.paths[file], "rb") as handle:
+                mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+            self._maps[file] = mapped
+        return mapped
+
+    def _locate(self, index: int) -> tuple[int, int]:
+        """``(file, record within file)`` of a global record index."""
+        file = int(np.searchsorted(self._offsets, index, side="right")) - 1
+        return file, index - int(self._offsets[file])
+
+    def _raw_range(self, start: int, count: int) -> Sequence[bytes]:
+        file, first = self._locate(start)
+        starts = self._index(file).starts
+        stop = min(first + count, len(starts) - 1)
+        byte_start = int(starts[first])
+        fitting = int(np.searchsorted(starts[first + 1 : stop + 1], byte_start + BLOCK_BYTES, side="right"))
+        stop = first + max(fitting, 1)
+        block = self._map(file)[byte_start : int(starts[stop])]
+        lines = block.split(b"\n")
+        if lines[-1] == b"":
+            lines.pop()
+        if len(lines) == stop - first:
+            return lines
+        # Blank lines inside the block: cut it at the indexed record boundaries instead.
+        bounds = (starts[first : stop + 1] - np.uint64(byte_start)).tolist()
+        return [block[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+
+    def _raw_at(self, indices: np.ndarray) -> Sequence[bytes]:
+        if len(self.paths) == 1:
+            return self._slices(0, indices)
+        files = np.searchsorted(self._offsets, indices, side="right") - 1
+        out: list[bytes] = [b""] * len(indices)
+        for file in np.unique(files).tolist():
+            selected = np.flatnonzero(files == file)
+            for slot, raw in zip(selected.tolist(), self._slices(file, indices[selected] - self._offsets[file])):
+                out[slot] = raw
+        return out
+
+    def _slices(self, file: int, local: np.ndarray) -> list[bytes]:
+        starts = self._index(file).starts
+        mapped = self._map(file)
+        return [mapped[a:b] for a, b in zip(starts[local].tolist(), starts[local + 1].tolist())]
+
+    def _decoder(self) -> Callable[[Any], Any]:
+        return orjson.loads
+
+    def _decode_failed(self, raw: Any, index: int, error: Exception, may_skip: bool) -> Any:
+        if not isinstance(error, orjson.JSONDecodeError):
+            raise error
+        file, local = self._locate(index)
+        line = self._index(file).line_number(local)
+        where = f"{self.paths[file]}:{line}"
+        if self.on_error == "skip" and may_skip:
+            self.skipped += 1
+            logger.warning("%s: skipped malformed JSON record (%s)", where, error)
+            return SKIPPED
+        raise SourceError(f"{where}: malformed JSON record: {error}") from error
+
+    # -- pickling (DataLoader workers): memory maps and indices are reopened lazily ------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_maps"] = [None] * len(self.paths)
+        state["_indices"] = [None] * len(self.paths)
+        return state
+
+
+def jsonl(paths: Paths, on_error: str = "raise", cache_dir: str | None = None) -> JsonlSource:
+    """A source over JSONL files: a path, a glob, or a list of them (globs sorted)."""
+    return JsonlSource(paths, on_error=on_error, cache_dir=cache_dir)

@@ -1,0 +1,48 @@
+"""Source base: the leaf of an indexed chain, reading records by global index."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence, TypeVar
+
+import numpy as np
+
+from resumable.node import IndexedNode
+
+T = TypeVar("T")
+
+
+class Source(IndexedNode[T]):
+    """A leaf node: ``N`` records addressed by index ``[0, N)``, read contiguously or at random.
+
+    Subclasses return *raw* records (bytes of a JSON line, a row reference, ...) and a decoder
+    the cursor applies lazily, one record at a time, as the consumer asks for it.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(None)
+
+    @property
+    def leaf(self) -> Source[T]:
+        return self
+
+    def _leaf_indices(self, positions: np.ndarray, epoch: int) -> np.ndarray:
+        return positions
+
+    def _raw_chunk(self, start: int, count: int, epoch: int) -> Sequence[Any]:
+        return self._raw_range(start, count)
+
+    def _raw_range(self, start: int, count: int) -> Sequence[Any]:
+        """Raw records ``start, start + 1, ...``: at least one, at most ``count``."""
+        return self._raw_at(np.arange(start, start + count, dtype=np.int64))
+
+    def _raw_at(self, indices: np.ndarray) -> Sequence[Any]:
+        """Raw records at arbitrary ``indices`` (an int64 array), in that order."""
+        raise NotImplementedError
+
+    def _decoder(self) -> Callable[[Any], Any] | None:
+        """The function turning a raw record into a record; None when raw records are final."""
+        return None
+
+    def _decode_failed(self, raw: Any, index: int, error: Exception, may_skip: bool) -> Any:
+        """Handle a record the decoder rejected: raise a SourceError, or return SKIPPED."""
+        raise error

@@ -1,0 +1,93 @@
+"""State format: version, keys, fingerprints and the checks that validate a loaded state.
+
+A state is plain JSON data (dict, list, str, int, float, bool, None) so that loading one can
+never run code. Every node's state names its kind and the format version; nodes nest their
+upstream's state under ``UPSTREAM``. Errors name the node's path in the pipeline, for example
+``Batch > Filter > Shuffle > JsonlSource``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+from resumable.errors import StateError
+
+STATE_VERSION = 1
+
+KIND = "kind"
+VERSION = "version"
+UPSTREAM = "upstream"
+ENDED = "ended"
+
+JSON_SCALARS = (str, int, float, bool, type(None))
+
+
+def require(state: Mapping[str, Any], key: str, types: type | tuple[type, ...], path: str) -> Any:
+    """Return ``state[key]``, raising StateError if it is missing or of the wrong type."""
+    if key not in state:
+        raise StateError(f"{path}: state has no {key!r} entry")
+    value = state[key]
+    wrong_bool = isinstance(value, bool) and types is int
+    if not isinstance(value, types) or wrong_bool:
+        raise StateError(f"{path}: state entry {key!r} is {value!r}, expected {_type_names(types)}")
+    return value
+
+
+def require_count(state: Mapping[str, Any], key: str, path: str, upper: int | None = None) -> int:
+    """Return a non-negative int entry, at most ``upper`` when given."""
+    value = require(state, key, int, path)
+    if value < 0 or (upper is not None and value > upper):
+        bound = f"[0, {upper}]" if upper is not None else ">= 0"
+        raise StateError(f"{path}: state entry {key!r} is {value}, expected an int in {bound}")
+    return value
+
+
+def check_header(state: Any, kind: str, path: str) -> None:
+    """Check that ``state`` is a dict saved by a node of ``kind`` with this format version."""
+    if not isinstance(state, dict):
+        raise StateError(f"{path}: expected a state dict, got {type(state).__name__}")
+    saved_kind = state.get(KIND)
+    if saved_kind != kind:
+        raise StateError(f"{path}: state was saved by a {saved_kind!r} node, this node is {kind!r}")
+    saved_version = state.get(VERSION)
+    if saved_version != STATE_VERSION:
+        raise StateError(
+            f"{path}: state format version {saved_version!r}, this library reads version {STATE_VERSION}"
+        )
+
+
+def check_config(state: Mapping[str, Any], config: Mapping[str, Any], path: str) -> None:
+    """Check that every option that shapes the data stream matches the saved one."""
+    for key, expected in config.items():
+        if key not in state:
+            raise StateError(f"{path}: state has no {key!r} entry")
+        saved = state[key]
+        if saved != expected:
+            raise StateError(f"{path}: state was saved with {key}={saved!r}, this pipeline has {key}={expected!r}")
+
+
+def check_json(value: Any, path: str) -> None:
+    """Raise StateError unless ``value`` is made of JSON types only (no tuples, numpy or tensors)."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise StateError(f"{path}: state key {key!r} is not a string")
+            check_json(item, path)
+    elif isinstance(value, list):
+        for item in value:
+            check_json(item, path)
+    elif not isinstance(value, JSON_SCALARS):
+        raise StateError(f"{path}: state holds a {type(value).__name__}, only JSON types are allowed")
+
+
+def file_fingerprint(path: str) -> dict[str, Any]:
+    """Identify a file's content cheaply: its path, size and modification time in ns."""
+    info = os.stat(path)
+    return {"path": path, "size": info.st_size, "mtime_ns": info.st_mtime_ns}
+
+
+def _type_names(types: type | tuple[type, ...]) -> str:
+    if isinstance(types, tuple):
+        return " or ".join(t.__name__ for t in types)
+    return types.__name__

@@ -36,11 +36,15 @@ if TYPE_CHECKING:
     from resumable.ops.map import IndexedMap, Map
     from resumable.ops.repeat import Repeat
     from resumable.order.shard import Shard
+    from resumable.pack.node import Pack
     from resumable.order.shuffle import Shuffle
     from resumable.sources.source import Source
 
 T = TypeVar("T")
 U = TypeVar("U")
+
+RecordKey = tuple[int, int]
+"""``(epoch, position)`` of a record of the outermost indexed node."""
 
 EPOCH = "epoch"
 POSITION = "position"
@@ -102,6 +106,17 @@ class Node(Generic[T]):
         if self.upstream is not None:
             self.upstream.next_epoch()
         self._ended = False
+
+    # -- provenance: lets buffering nodes store references instead of contents ----------------
+
+    def last_key(self) -> RecordKey | None:
+        """``(epoch, position)`` of the indexed record behind the last item handed out, or None
+        when items cannot be traced back to one record (after batch or pack, say)."""
+        return None
+
+    def fetch(self, key: RecordKey) -> T:
+        """The item with provenance ``key``, produced again by random access (no iteration)."""
+        raise ConfigError(f"{self.kind}: items cannot be fetched again by key")
 
     # -- state ------------------------------------------------------------------------------
 
@@ -187,6 +202,12 @@ class Node(Generic[T]):
 
         return Batch(self, batch_size, drop_last=drop_last, collate_fn=collate_fn)
 
+    def pack(self, seq_len: int, **options: Any) -> Pack:
+        """Pack token sequences into fixed-length rows (see ``rs.nodes.Pack`` for the options)."""
+        from resumable.pack.node import Pack
+
+        return Pack(self, seq_len, **options)
+
     def repeat(self, times: int | None = None) -> Repeat[T]:
         """Run epochs back to back, forever or ``times`` times, reshuffling each epoch."""
         from resumable.ops.repeat import Repeat
@@ -262,12 +283,19 @@ class IndexedNode(Node[T]):
 
     def __getitem__(self, position: int) -> T:
         """The record at ``position`` of the current epoch, by random access."""
+        return self.fetch((self._epoch, position))
+
+    def fetch(self, key: RecordKey) -> T:
+        epoch, position = key
         if not isinstance(position, (int, np.integer)) or not 0 <= position < len(self):
             raise IndexError(f"{self.kind}: position {position!r} out of range [0, {len(self)})")
         self._prepare_chain()
-        positions = np.array([position], dtype=np.int64)
-        raw = self.leaf._raw_at(self._leaf_indices(positions, self._epoch))[0]
-        return self._finish(raw, int(position), skip=False)  # type: ignore[no-any-return]
+        raw = self.leaf._raw_at(self._leaf_indices(np.array([position], dtype=np.int64), epoch))[0]
+        return self._finish(raw, int(position), epoch, skip=False)  # type: ignore[no-any-return]
+
+    def last_key(self) -> RecordKey | None:
+        position = self._chunk_start + self._i
+        return (self._epoch, position - 1) if position > 0 else None
 
     # -- fluent methods that keep random access ----------------------------------------------
 
@@ -288,6 +316,7 @@ class IndexedNode(Node[T]):
     ) -> Shard[T]:
         """Keep this consumer's stride of positions (rank, and DataLoader worker if any)."""
         from resumable.order.shard import Shard
+    from resumable.pack.node import Pack
 
         return Shard(self, rank, world_size, split_workers=split_workers)
 
@@ -313,18 +342,18 @@ class IndexedNode(Node[T]):
                 self._fill()
                 i = self._i
             self._i = i + 1
-            record = self._finish(self._chunk[i], self._chunk_start + i, skip=True)
+            record = self._finish(self._chunk[i], self._chunk_start + i, self._epoch, skip=True)
             if record is not SKIPPED:
                 return record  # type: ignore[no-any-return]
 
-    def _finish(self, raw: Any, position: int, skip: bool) -> Any:
+    def _finish(self, raw: Any, position: int, epoch: int, skip: bool) -> Any:
         """Decode a raw record and apply the maps; a bad record raises or returns SKIPPED."""
         record = raw
         if self._decode is not None:
             try:
                 record = self._decode(raw)
             except Exception as exc:  # noqa: BLE001 - the source decides what a decode error means
-                leaf_index = int(self._leaf_indices(np.array([position], dtype=np.int64), self._epoch)[0])
+                leaf_index = int(self._leaf_indices(np.array([position], dtype=np.int64), epoch)[0])
                 record = self.leaf._decode_failed(raw, leaf_index, exc, skip)
                 if record is SKIPPED:
                     return SKIPPED

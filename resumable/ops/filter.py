@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable, TypeVar
 
 from resumable.errors import ConfigError
-from resumable.node import Node
+from resumable.node import Node, RecordKey
 from resumable.state import require_count
 
 T = TypeVar("T")
@@ -34,6 +34,12 @@ class Filter(Node[T]):
     def next_epoch(self) -> None:
         super().next_epoch()
         self.dropped = 0
+
+    def last_key(self) -> RecordKey | None:
+        return self.upstream.last_key()  # type: ignore[union-attr]
+
+    def fetch(self, key: RecordKey) -> T:
+        return self.upstream.fetch(key)  # type: ignore[union-attr]
 
     def _progress(self) -> dict[str, Any]:
         return {DROPPED: self.dropped}

@@ -7,7 +7,7 @@ from typing import Any, Callable, Sequence, TypeVar
 import numpy as np
 
 from resumable.errors import ConfigError
-from resumable.node import IndexedNode, Node
+from resumable.node import IndexedNode, Node, RecordKey
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -28,6 +28,12 @@ class Map(Node[U]):
 
     def _next(self) -> U:
         return self.fn(next(self.upstream))  # type: ignore[arg-type]
+
+    def last_key(self) -> RecordKey | None:
+        return self.upstream.last_key()  # type: ignore[union-attr]
+
+    def fetch(self, key: RecordKey) -> U:
+        return self.fn(self.upstream.fetch(key))  # type: ignore[union-attr]
 
 
 class IndexedMap(IndexedNode[U]):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, TypeVar
 
 from resumable.errors import ConfigError
-from resumable.node import Node
+from resumable.node import Node, RecordKey
 from resumable.state import require, require_count
 
 T = TypeVar("T")
@@ -52,6 +52,12 @@ class Repeat(Node[T]):
         super().next_epoch()
         self.epochs_done = 0
         self._yielded = False
+
+    def last_key(self) -> RecordKey | None:
+        return self.upstream.last_key()  # type: ignore[union-attr]
+
+    def fetch(self, key: RecordKey) -> T:
+        return self.upstream.fetch(key)  # type: ignore[union-attr]
 
     def _progress(self) -> dict[str, Any]:
         return {EPOCHS_DONE: self.epochs_done, YIELDED: self._yielded}

@@ -316,7 +316,6 @@ class IndexedNode(Node[T]):
     ) -> Shard[T]:
         """Keep this consumer's stride of positions (rank, and DataLoader worker if any)."""
         from resumable.order.shard import Shard
-    from resumable.pack.node import Pack
 
         return Shard(self, rank, world_size, split_workers=split_workers)
 

@@ -1,0 +1,5 @@
+import sys
+
+from resumable.cli import main
+
+sys.exit(main())

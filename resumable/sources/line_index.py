@@ -1,0 +1,395 @@
+"""Line-offset index of a JSONL file: record ``i`` is ``data[starts[i]:starts[i + 1]]``.
+
+A record is a non-blank line. The index is built once with numpy at disk speed and kept in a
+sidecar file keyed by the data file's size and mtime, so a source reaches any record with one
+seek instead of rescanning the file on every run, and reloading the index costs O(1) (memmap).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import operator
+import os
+import stat
+import struct
+import tempfile
+import warnings
+import zlib
+from collections.abc import Callable
+from typing import SupportsIndex
+
+import numpy as np
+import numpy.typing as npt
+
+from resumable.errors import ConfigError, SourceError
+
+Progress = Callable[[int], None]
+"""Called with the number of bytes processed since the previous call (e.g. ``tqdm.update``)."""
+
+CHUNK_SIZE = 4 << 20
+"""Bytes read per ``readinto`` while building: big enough to amortise numpy's per-call cost, small
+enough for the buffer and its newline mask to stay in cache (4 MiB measured faster than 16-64 MiB)."""
+BLANK_STEPS = 16
+"""Leading bytes of possibly-blank lines checked by vectorised steps (one byte column per step);
+only a line starting with more blank bytes than that is finished on its own (practically never)."""
+
+NEWLINE = 0x0A
+UTF8_BOM = b"\xef\xbb\xbf"
+BLANK_BYTES = b" \t\r"
+"""Bytes a blank line may hold: JSON whitespace, less the newline that ends the line."""
+_IS_BLANK_BYTE = np.zeros(256, dtype=np.bool_)
+_IS_BLANK_BYTE[list(BLANK_BYTES)] = True
+_MAY_START_BLANK = _IS_BLANK_BYTE.copy()
+_MAY_START_BLANK[NEWLINE] = True  # an empty line's first byte is its newline
+
+SIDECAR_SUFFIX = ".rsidx"
+CACHE_DIR_ENV = "RESUMABLE_CACHE_DIR"
+DEFAULT_CACHE_DIR = os.path.join("~", ".cache", "resumable", "index")
+CACHE_NAME_CHARS = 80
+"""Longest piece of the data file's basename kept in a cache sidecar's name (readability only)."""
+CACHE_HASH_CHARS = 16
+SIDECAR_MODE = 0o644
+
+SIDECAR_MAGIC = b"RSLNIDX\x00"
+FORMAT_VERSION = 1
+FLAG_HAS_BOM = 1
+HEADER = struct.Struct("<8sIIQqQQI4x")
+"""Sidecar header: magic, format version, flags, data size, data mtime_ns, num_records,
+blank_lines, CRC-32 of the preceding header bytes, padding to a multiple of 8."""
+HEADER_CRC_SPAN = HEADER.size - 8
+"""Header bytes covered by the CRC: every field before the CRC itself."""
+OFFSET_DTYPE = np.dtype("<u8")
+"""On-disk dtype of ``starts``; equal to ``np.uint64`` on little-endian machines."""
+
+
+class SidecarWarning(UserWarning):
+    """No sidecar location was writable: the index lives in memory and is rebuilt next time."""
+
+
+class LineIndex:
+    """Byte offsets of the records of a JSONL file, with the facts the index was keyed on.
+
+    ``starts`` has ``num_records + 1`` entries; record ``i`` is ``data[starts[i]:starts[i+1]]``,
+    which includes its newline and any blank lines after it (JSON whitespace), and the last
+    entry is the file size. Blank lines before the first record and a UTF-8 BOM are skipped.
+    """
+
+    def __init__(
+        self,
+        *,
+        path: str,
+        size: int,
+        mtime_ns: int,
+        blank_lines: int,
+        has_bom: bool,
+        starts: npt.NDArray[np.uint64],
+        sidecar: str | None,
+    ) -> None:
+        self.path = path
+        self.size = size
+        self.mtime_ns = mtime_ns
+        self.num_records = len(starts) - 1
+        self.blank_lines = blank_lines
+        self.has_bom = has_bom
+        self.starts = starts
+        self.sidecar = sidecar
+
+    def __len__(self) -> int:
+        return self.num_records
+
+    def __repr__(self) -> str:
+        return (
+            f"LineIndex(path={self.path!r}, num_records={self.num_records}, "
+            f"blank_lines={self.blank_lines}, has_bom={self.has_bom}, sidecar={self.sidecar!r})"
+        )
+
+    @classmethod
+    def open(cls, path: str, cache_dir: str | None = None, progress: Progress | None = None) -> LineIndex:
+        """Load a fresh sidecar (next to the data, else in the cache dir), else build and store one.
+
+        The sidecar goes next to the data when that directory is writable, else to ``cache_dir``,
+        ``$RESUMABLE_CACHE_DIR`` or ``~/.cache/resumable/index/``; when neither is writable the
+        index stays in memory and a ``SidecarWarning`` says so.
+        """
+        path = os.fspath(path)
+        info = _stat_data(path)
+        sidecars = (path + SIDECAR_SUFFIX, _cache_sidecar(path, cache_dir))
+        for sidecar in sidecars:
+            loaded = cls._load(path, sidecar, info.st_size, info.st_mtime_ns)
+            if loaded is not None:
+                return loaded
+        built = cls.build(path, progress)
+        for sidecar in sidecars:
+            try:
+                starts = _write_sidecar(sidecar, built)
+            except OSError:
+                continue
+            return cls(
+                path=path,
+                size=built.size,
+                mtime_ns=built.mtime_ns,
+                blank_lines=built.blank_lines,
+                has_bom=built.has_bom,
+                starts=starts,
+                sidecar=sidecar,
+            )
+        warnings.warn(
+            f"cannot write a line index for {path!r} next to it nor in {os.path.dirname(sidecars[1])!r}; "
+            "keeping it in memory (it will be rebuilt next time)",
+            SidecarWarning,
+            stacklevel=2,
+        )
+        return built
+
+    @classmethod
+    def build(cls, path: str, progress: Progress | None = None, *, chunk_size: int | None = None) -> LineIndex:
+        """Scan the file and return its index, in memory only (``sidecar`` is None).
+
+        Reads ``chunk_size`` bytes at a time (default ``CHUNK_SIZE``) into one reused buffer;
+        raises ``SourceError`` when the file is missing, unreadable or changes during the scan.
+        """
+        path = os.fspath(path)
+        chunk = CHUNK_SIZE if chunk_size is None else chunk_size
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            raise ConfigError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        with _open_data(path) as data:
+            before = os.fstat(data.fileno())
+            _check_regular(path, before)
+            size = before.st_size
+            has_bom = size >= len(UTF8_BOM) and data.read(len(UTF8_BOM)) == UTF8_BOM
+            position = len(UTF8_BOM) if has_bom else 0
+            data.seek(position)
+            buffer = bytearray(chunk)
+            view = memoryview(buffer)
+            array = np.frombuffer(buffer, dtype=np.uint8)
+            is_newline = np.empty(chunk, dtype=np.bool_)
+            scanner = _Scanner(position)
+            reported = 0
+            while position < size:
+                n = data.readinto(view[: min(chunk, size - position)])
+                if not n:
+                    raise SourceError(f"data file {path!r} shrank while being indexed")
+                scanner.feed(array[:n], is_newline, position)
+                position += n
+                if progress is not None:
+                    progress(position - reported)
+                    reported = position
+            if progress is not None and position > reported:
+                progress(position - reported)
+            after = os.fstat(data.fileno())
+        if (after.st_size, after.st_mtime_ns) != (size, before.st_mtime_ns):
+            raise SourceError(f"data file {path!r} changed while being indexed")
+        starts = scanner.finish(size)  # counts a blank last line, so before reading blank_lines
+        return cls(
+            path=path,
+            size=size,
+            mtime_ns=before.st_mtime_ns,
+            blank_lines=scanner.blank_lines,
+            has_bom=has_bom,
+            starts=starts,
+            sidecar=None,
+        )
+
+    def line_number(self, record: SupportsIndex) -> int:
+        """The 1-based line of ``record`` in the file, for error messages (reads up to the record)."""
+        index = operator.index(record)
+        if not 0 <= index < self.num_records:
+            raise IndexError(f"record {index} out of range: {self.path!r} has {self.num_records} records")
+        remaining = int(self.starts[index])
+        newlines = 0
+        try:
+            with open(self.path, "rb") as data:
+                while remaining > 0:
+                    block = data.read(min(CHUNK_SIZE, remaining))
+                    if not block:
+                        break
+                    newlines += block.count(b"\n")
+                    remaining -= len(block)
+        except OSError as error:
+            raise SourceError(f"cannot read data file {self.path!r}: {error}") from error
+        return newlines + 1
+
+    @classmethod
+    def _load(cls, path: str, sidecar: str, size: int, mtime_ns: int) -> LineIndex | None:
+        """The index stored in ``sidecar`` if it is intact and keyed on (size, mtime_ns), else None."""
+        try:
+            with open(sidecar, "rb") as stored:
+                header = stored.read(HEADER.size)
+                if len(header) != HEADER.size:
+                    return None
+                magic, version, flags, key_size, key_mtime, num_records, blank_lines, crc = HEADER.unpack(header)
+                if (
+                    magic != SIDECAR_MAGIC
+                    or version != FORMAT_VERSION
+                    or crc != zlib.crc32(header[:HEADER_CRC_SPAN])
+                    or flags & ~FLAG_HAS_BOM
+                    or (key_size, key_mtime) != (size, mtime_ns)
+                    or os.fstat(stored.fileno()).st_size != HEADER.size + OFFSET_DTYPE.itemsize * (num_records + 1)
+                ):
+                    return None
+                starts = np.memmap(stored, dtype=OFFSET_DTYPE, mode="r", offset=HEADER.size, shape=(num_records + 1,))
+        except (OSError, ValueError):
+            return None
+        has_bom = bool(flags & FLAG_HAS_BOM)
+        first_allowed = len(UTF8_BOM) if has_bom else 0
+        if int(starts[-1]) != size or not first_allowed <= int(starts[0]) <= size:
+            return None
+        return cls(
+            path=path,
+            size=size,
+            mtime_ns=mtime_ns,
+            blank_lines=blank_lines,
+            has_bom=has_bom,
+            starts=starts,
+            sidecar=sidecar,
+        )
+
+
+class _Scanner:
+    """Turns consecutive chunks of a file into record starts, carrying the unfinished line over."""
+
+    def __init__(self, first_byte: int) -> None:
+        self.line_start = first_byte  # absolute offset of the line not yet ended by a newline
+        self.line_blank = True  # whether every byte of that line seen so far is blank
+        self.blank_lines = 0
+        self._parts: list[npt.NDArray[np.int64]] = []
+
+    def feed(self, chunk: npt.NDArray[np.uint8], is_newline: npt.NDArray[np.bool_], offset: int) -> None:
+        """Scan ``chunk``, the file's bytes at ``offset``; ``is_newline`` is scratch space as long."""
+        mask = is_newline[: chunk.size]
+        np.equal(chunk, NEWLINE, out=mask)
+        newlines = np.flatnonzero(mask)
+        if newlines.size == 0:
+            self.line_blank = self.line_blank and _all_blank(chunk)
+            return
+        carried_is_record = not (self.line_blank and _all_blank(chunk[: newlines[0]]))
+        starts = newlines[:-1] + 1  # lines that begin and end in this chunk
+        blank = _blank_lines(chunk, starts, newlines[1:])
+        records = np.delete(starts, blank) if blank.size else starts
+        records += offset
+        if carried_is_record:
+            records = np.concatenate(([self.line_start], records))
+        self._parts.append(records)
+        self.blank_lines += blank.size + (not carried_is_record)
+        tail = int(newlines[-1]) + 1
+        self.line_start = offset + tail
+        self.line_blank = _all_blank(chunk[tail:])
+
+    def finish(self, size: int) -> npt.NDArray[np.uint64]:
+        """The ``starts`` array, once the whole file (``size`` bytes) has been fed."""
+        if self.line_start < size:  # a last line without a newline
+            if self.line_blank:
+                self.blank_lines += 1
+            else:
+                self._parts.append(np.array([self.line_start], dtype=np.int64))
+        self._parts.append(np.array([size], dtype=np.int64))
+        return np.concatenate(self._parts).view(np.uint64)  # offsets are never negative
+
+
+def _all_blank(line: npt.NDArray[np.uint8]) -> bool:
+    """Whether every byte is a blank byte; looks at the first byte alone in the common case."""
+    return line.size == 0 or (bool(_IS_BLANK_BYTE[line[0]]) and bool(_IS_BLANK_BYTE[line].all()))
+
+
+def _blank_lines(
+    chunk: npt.NDArray[np.uint8], starts: npt.NDArray[np.int64], ends: npt.NDArray[np.int64]
+) -> npt.NDArray[np.int64]:
+    """Indices of the blank lines among those at ``starts`` (each ended by the newline at ``ends``).
+
+    Only lines whose first byte is blank or the newline can be blank; of those, the ones shorter
+    than two bytes are. The rest are followed one byte column per vectorised step until they reach
+    their newline (blank) or a non-blank byte (a record); the rare lines still undecided after
+    ``BLANK_STEPS`` bytes are finished one by one.
+    """
+    live = np.flatnonzero(_MAY_START_BLANK[chunk[starts]])
+    if live.size == 0:
+        return live
+    position = starts[live]
+    short = ends[live] - position < 2
+    found = [live[short]]
+    live, position = live[~short], position[~short] + 1
+    for _ in range(BLANK_STEPS):
+        if live.size == 0:
+            return np.concatenate(found)
+        byte = chunk[position]
+        found.append(live[byte == NEWLINE])
+        going = _IS_BLANK_BYTE[byte]
+        live, position = live[going], position[going] + 1
+    undecided = zip(live.tolist(), position.tolist(), ends[live].tolist(), strict=True)
+    found.append(np.array([line for line, begin, end in undecided if _all_blank(chunk[begin:end])], dtype=np.int64))
+    return np.concatenate(found)
+
+
+def _check_regular(path: str, info: os.stat_result) -> None:
+    """Raise ``SourceError`` unless ``path`` is a regular file (not a directory, pipe, device)."""
+    if not stat.S_ISREG(info.st_mode):
+        raise SourceError(f"data file {path!r} is not a regular file")
+
+
+def _stat_data(path: str) -> os.stat_result:
+    """The data file's stat, or ``SourceError`` naming the path."""
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        raise SourceError(f"data file not found: {path!r}") from None
+    except OSError as error:
+        raise SourceError(f"cannot stat data file {path!r}: {error}") from error
+    _check_regular(path, info)
+    return info
+
+
+def _open_data(path: str) -> io.FileIO:
+    """The data file opened unbuffered for ``readinto``, or ``SourceError`` naming the path."""
+    try:
+        return open(path, "rb", buffering=0)
+    except OSError as error:
+        _stat_data(path)  # names the usual causes: missing, a directory
+        raise SourceError(f"cannot read data file {path!r}: {error}") from error
+
+
+def _cache_sidecar(path: str, cache_dir: str | None) -> str:
+    """The sidecar path in the cache dir: basename (for people) plus a hash of the absolute path."""
+    root = os.path.expanduser(cache_dir or os.environ.get(CACHE_DIR_ENV) or DEFAULT_CACHE_DIR)
+    absolute = os.path.realpath(path)
+    digest = hashlib.sha256(os.fsencode(absolute)).hexdigest()[:CACHE_HASH_CHARS]
+    name = os.path.basename(absolute)[:CACHE_NAME_CHARS]
+    return os.path.join(root, f"{name}.{digest}{SIDECAR_SUFFIX}")
+
+
+def _create_temp(directory: str, name: str) -> tuple[int, str]:
+    """Create a temp file beside the sidecar ``name``; OSError when ``directory`` is not writable."""
+    return tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+
+
+def _pack_header(index: LineIndex) -> bytes:
+    """The sidecar header of ``index``, CRC included."""
+    flags = FLAG_HAS_BOM if index.has_bom else 0
+    fields = (SIDECAR_MAGIC, FORMAT_VERSION, flags, index.size, index.mtime_ns, index.num_records, index.blank_lines)
+    unsigned = HEADER.pack(*fields, 0)
+    return HEADER.pack(*fields, zlib.crc32(unsigned[:HEADER_CRC_SPAN]))
+
+
+def _write_sidecar(sidecar: str, index: LineIndex) -> np.memmap:
+    """Store ``index`` at ``sidecar`` atomically (temp file, fsync, rename); return its memmap.
+
+    Concurrent writers each rename a complete file, so readers never see a partial one.
+    """
+    directory = os.path.dirname(sidecar) or os.curdir
+    os.makedirs(directory, exist_ok=True)
+    fd, temp = _create_temp(directory, os.path.basename(sidecar))
+    try:
+        with os.fdopen(fd, "w+b") as stored:
+            stored.write(_pack_header(index))
+            stored.write(np.ascontiguousarray(index.starts, dtype=OFFSET_DTYPE).view(np.uint8).data)
+            stored.flush()
+            os.fsync(stored.fileno())
+            starts = np.memmap(stored, dtype=OFFSET_DTYPE, mode="r", offset=HEADER.size, shape=(index.num_records + 1,))
+        os.chmod(temp, SIDECAR_MODE)
+        os.replace(temp, sidecar)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
+    return starts

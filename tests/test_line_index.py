@@ -1,0 +1,478 @@
+"""LineIndex against a pure-Python reference, plus sidecar freshness, fallbacks and errors."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import stat
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from resumable.errors import ConfigError, SourceError
+from resumable.sources import line_index
+from resumable.sources.line_index import HEADER, SIDECAR_SUFFIX, LineIndex, SidecarWarning
+
+BOM = b"\xef\xbb\xbf"
+
+
+def reference(data: bytes) -> tuple[list[int], list[int], int, bool]:
+    """(starts, 1-based line numbers, blank lines, has_bom) computed the obvious way."""
+    has_bom = data.startswith(BOM)
+    position = len(BOM) if has_bom else 0
+    lines: list[tuple[int, bytes]] = []
+    while position < len(data):
+        end = data.find(b"\n", position)
+        end = len(data) if end < 0 else end
+        lines.append((position, data[position:end]))
+        position = end + 1
+    numbered = [(start, number) for number, (start, text) in enumerate(lines, 1) if text.strip(b" \t\r")]
+    starts = [start for start, _ in numbered] + [len(data)]
+    return starts, [number for _, number in numbered], len(lines) - len(numbered), has_bom
+
+
+def write(tmp_path: Path, data: bytes, name: str = "data.jsonl") -> str:
+    path = tmp_path / name
+    path.write_bytes(data)
+    return str(path)
+
+
+def check(index: LineIndex, data: bytes, *, line_numbers: bool = True) -> None:
+    starts, numbers, blank_lines, has_bom = reference(data)
+    assert index.starts.dtype == np.uint64
+    assert index.starts.tolist() == starts
+    assert index.num_records == len(index) == len(starts) - 1
+    assert index.blank_lines == blank_lines
+    assert index.has_bom is has_bom
+    assert index.size == len(data)
+    if line_numbers:
+        assert [index.line_number(i) for i in range(len(index))] == numbers
+
+
+CASES = {
+    "normal": b'{"a": 1}\n{"b": 2}\n{"c": 3}\n',
+    "no_final_newline": b'{"a": 1}\n{"b": 2}',
+    "blank_start": b'\n\n  \n{"a": 1}\n{"b": 2}\n',
+    "blank_middle": b'{"a": 1}\n\n \t \n\r\n{"b": 2}\n',
+    "blank_end": b'{"a": 1}\n{"b": 2}\n\n  \n\r\n',
+    "blank_end_no_newline": b'{"a": 1}\n \t',
+    "crlf": b'{"a": 1}\r\n{"b": 2}\r\n\r\n{"c": 3}',
+    "bom": BOM + b'{"a": 1}\n{"b": 2}\n',
+    "bom_then_blank": BOM + b'\r\n \n{"a": 1}\n',
+    "bom_only": BOM,
+    "only_blank": b"\n \n\t\t\n\r\n  \r \n",
+    "only_newlines": b"\n\n\n",
+    "empty": b"",
+    "single_record": b'{"a": 1}',
+    "single_record_newline": b'{"a": 1}\n',
+    "single_char_records": b"1\n2\n\n3",
+    "whitespace_led_records": b'   {"a": 1}\n' + b" " * 40 + b'{"b": 2}\n' + b" " * 40 + b"\n\t1\n",
+    "long_blank_lines": b'{"a": 1}\n' + b" \t" * 100 + b"\n" + b"\r" * 17 + b"\n2\n",
+    "not_utf8": b"\xff\xfe\x00\n\x80abc\n",
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("chunk_size", [1, 2, 3, 7, 1 << 20])
+def test_matches_reference(tmp_path: Path, name: str, chunk_size: int) -> None:
+    data = CASES[name]
+    check(LineIndex.build(write(tmp_path, data), chunk_size=chunk_size), data)
+
+
+def test_records_are_json_with_trailing_blank_lines(tmp_path: Path) -> None:
+    data = b'\n{"a": 1}\r\n \r\n{"b": [2, 3]}\n\t\n\n{"c": "x"}'
+    index = LineIndex.build(write(tmp_path, data), chunk_size=4)
+    records = [json.loads(data[index.starts[i] : index.starts[i + 1]]) for i in range(len(index))]
+    assert records == [{"a": 1}, {"b": [2, 3]}, {"c": "x"}]
+
+
+def test_lines_longer_than_chunk(tmp_path: Path) -> None:
+    long_record = b'{"text": "' + b"x" * 1000 + b'"}'
+    data = long_record + b"\n" + b" " * 500 + b"\n" + long_record + b"\r\n" + long_record
+    for chunk_size in (8, 64, 999, 1000, 1001):
+        index = LineIndex.build(write(tmp_path, data), chunk_size=chunk_size)
+        check(index, data)
+        assert index.num_records == 3
+
+
+def test_crlf_split_across_chunks(tmp_path: Path) -> None:
+    data = b'{"a"}\r\n\r\n{"b"}\r\n'
+    assert data[5:7] == b"\r\n"
+    index = LineIndex.build(write(tmp_path, data), chunk_size=6)  # "\r" ends chunk 1, "\n" starts chunk 2
+    check(index, data)
+    assert bytes(data[int(index.starts[0]) : int(index.starts[1])]) == b'{"a"}\r\n\r\n'
+
+
+def test_blank_line_spanning_chunks_after_record(tmp_path: Path) -> None:
+    data = b"1\n" + b" " * 10 + b"\n2" + b" " * 10 + b"\n"
+    for chunk_size in range(1, len(data) + 1):
+        check(LineIndex.build(write(tmp_path, data), chunk_size=chunk_size), data)
+
+
+@pytest.mark.parametrize("steps", [1, 2, 16])
+def test_blank_lines_past_the_vectorised_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, steps: int) -> None:
+    monkeypatch.setattr(line_index, "BLANK_STEPS", steps)
+    data = b"".join([b" \n", b" 1\n", b"\t\r\n", b"  x\r\n", b" " * 30 + b"\n", b" " * 30 + b"y\n"] * 5)
+    check(LineIndex.build(write(tmp_path, data), chunk_size=16), data)
+
+
+def test_progress_reports_every_byte(tmp_path: Path) -> None:
+    data = BOM + b'{"a": 1}\n' * 100
+    calls: list[int] = []
+    LineIndex.build(write(tmp_path, data), progress=calls.append, chunk_size=64)
+    assert sum(calls) == len(data)
+    assert len(calls) > 1 and all(c > 0 for c in calls)
+
+
+def test_bom_only_progress(tmp_path: Path) -> None:
+    calls: list[int] = []
+    LineIndex.build(write(tmp_path, BOM), progress=calls.append)
+    assert calls == [3]
+
+
+def test_default_chunk_size_is_read_at_call_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(line_index, "CHUNK_SIZE", 5)
+    data = b'{"a": 1}\n\n{"b": 2}\n'
+    calls: list[int] = []
+    check(LineIndex.open(write(tmp_path, data), progress=calls.append), data)
+    assert len(calls) == 4
+
+
+@pytest.mark.parametrize("chunk_size", [0, -1, 1.5, True])
+def test_bad_chunk_size(tmp_path: Path, chunk_size: object) -> None:
+    with pytest.raises(ConfigError):
+        LineIndex.build(write(tmp_path, b"1\n"), chunk_size=chunk_size)  # type: ignore[arg-type]
+
+
+def test_benchmark_corpus(tmp_path: Path) -> None:
+    from bench.corpus import make_jsonl_corpus
+
+    path = make_jsonl_corpus(str(tmp_path / "corpus.jsonl"), 300_000, seed=3)
+    data = Path(path).read_bytes()
+    assert len(data) >= 300_000
+    index = LineIndex.build(path, chunk_size=4096)
+    check(index, data, line_numbers=False)
+    records = [json.loads(data[index.starts[i] : index.starts[i + 1]]) for i in range(len(index))]
+    assert [record["id"] for record in records] == list(range(len(index)))
+    assert all(record["text"] for record in records)
+    again = make_jsonl_corpus(str(tmp_path / "again.jsonl"), 300_000, seed=3)
+    assert Path(again).read_bytes() == data  # deterministic for a seed
+
+
+# ---------------------------------------------------------------------------------------------
+# Random files.
+
+blank_line = st.one_of(
+    st.sampled_from([b"", b" ", b"\t", b"\r", b" \r", b" " * 16, b" " * 17, b"\t" * 40]),
+    st.text(alphabet=" \t\r", max_size=24).map(str.encode),
+)
+record_line = st.tuples(
+    st.text(alphabet=" \t\r", max_size=20).map(str.encode),  # leading whitespace, sometimes long
+    st.binary(min_size=1, max_size=30).map(lambda b: b.replace(b"\n", b"x")).filter(lambda b: b.strip(b" \t\r") != b""),
+).map(b"".join)
+line = st.one_of(record_line, blank_line)
+
+
+@st.composite
+def jsonl_files(draw: st.DrawFn) -> bytes:
+    lines = draw(st.lists(line, max_size=30))
+    endings = draw(st.lists(st.sampled_from([b"\n", b"\r\n"]), min_size=len(lines), max_size=len(lines)))
+    data = b"".join(text + ending for text, ending in zip(lines, endings, strict=True))
+    if lines and not draw(st.booleans()):  # drop the final line ending
+        data = data[: -len(endings[-1])]
+    return (BOM if draw(st.booleans()) else b"") + data
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=jsonl_files(), chunk_size=st.integers(1, 40))
+def test_random_files_match_reference(tmp_path: Path, data: bytes, chunk_size: int) -> None:
+    check(LineIndex.build(write(tmp_path, data), chunk_size=chunk_size), data)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sidecar.
+
+DATA = b'{"a": 1}\n\n{"b": 2}\r\n{"c": 3}\n'
+
+
+def forbid_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    def fail(*args: object, **kwargs: object) -> LineIndex:
+        raise AssertionError("index was rebuilt")
+
+    monkeypatch.setattr(LineIndex, "build", classmethod(fail))
+
+
+def count_builds(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    calls: list[str] = []
+    original = LineIndex.build.__func__  # type: ignore[attr-defined]
+
+    def counting(cls: type[LineIndex], path: str, *args: object, **kwargs: object) -> LineIndex:
+        calls.append(path)
+        return original(cls, path, *args, **kwargs)
+
+    monkeypatch.setattr(LineIndex, "build", classmethod(counting))
+    return calls
+
+
+def test_open_writes_sidecar_and_reuses_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = write(tmp_path, DATA)
+    first = LineIndex.open(path, cache_dir=str(tmp_path / "cache"))
+    check(first, DATA)
+    assert first.sidecar == path + SIDECAR_SUFFIX
+    assert isinstance(first.starts, np.memmap)
+    assert os.path.getsize(first.sidecar) == HEADER.size + 8 * (first.num_records + 1)
+    assert not (tmp_path / "cache").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+    mtime = os.stat(first.sidecar).st_mtime_ns
+
+    forbid_build(monkeypatch)
+    calls: list[int] = []
+    second = LineIndex.open(path, cache_dir=str(tmp_path / "cache"), progress=calls.append)
+    assert calls == []  # nothing read
+    check(second, DATA)
+    assert isinstance(second.starts, np.memmap)
+    assert second.sidecar == first.sidecar
+    assert os.stat(second.sidecar).st_mtime_ns == mtime
+
+
+def test_rebuilt_when_mtime_changes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = write(tmp_path, DATA)
+    LineIndex.open(path)
+    info = os.stat(path)
+    os.utime(path, ns=(info.st_atime_ns, info.st_mtime_ns + 1_000_000_000))
+    builds = count_builds(monkeypatch)
+    index = LineIndex.open(path)
+    assert builds == [path]
+    assert index.mtime_ns == info.st_mtime_ns + 1_000_000_000
+    check(index, DATA)
+    assert LineIndex.open(path).mtime_ns == index.mtime_ns and builds == [path]
+
+
+def test_rebuilt_when_content_changes_same_mtime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = write(tmp_path, DATA)
+    LineIndex.open(path)
+    info = os.stat(path)
+    changed = DATA + b'{"d": 4}\n'
+    Path(path).write_bytes(changed)
+    os.utime(path, ns=(info.st_atime_ns, info.st_mtime_ns))  # only the size tells
+    builds = count_builds(monkeypatch)
+    check(LineIndex.open(path), changed)
+    assert builds == [path]
+
+
+def corruptions(sidecar: bytes) -> dict[str, bytes]:
+    flipped_crc = bytearray(sidecar)
+    flipped_crc[30] ^= 0xFF  # inside num_records: caught by the header CRC
+    wrong_version = bytearray(sidecar)
+    wrong_version[8] += 1
+    bad_last = bytearray(sidecar)
+    bad_last[-8:] = (10**6).to_bytes(8, "little")
+    return {
+        "empty": b"",
+        "short_header": sidecar[:10],
+        "header_only": sidecar[: HEADER.size],
+        "truncated_body": sidecar[:-3],
+        "extra_bytes": sidecar + b"\x00" * 8,
+        "bad_magic": b"X" + sidecar[1:],
+        "flipped_crc": bytes(flipped_crc),
+        "wrong_version": bytes(wrong_version),
+        "bad_last_entry": bytes(bad_last),
+        "garbage": os.urandom(len(sidecar)),
+    }
+
+
+@pytest.mark.parametrize("kind", sorted(corruptions(b"\x00" * 100)))
+def test_corrupt_sidecar_is_rebuilt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    path = write(tmp_path, DATA)
+    sidecar = LineIndex.open(path).sidecar
+    assert sidecar is not None
+    Path(sidecar).write_bytes(corruptions(Path(sidecar).read_bytes())[kind])
+    builds = count_builds(monkeypatch)
+    index = LineIndex.open(path)
+    assert builds == [path]
+    check(index, DATA)
+    assert index.sidecar == sidecar
+    forbid_build(monkeypatch)
+    check(LineIndex.open(path), DATA)  # the rebuilt sidecar is good
+
+
+def test_sidecar_keeps_bom_and_blank_counts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = BOM + b"\n \n" + DATA + b"\n\n"
+    path = write(tmp_path, data)
+    LineIndex.open(path)
+    forbid_build(monkeypatch)
+    check(LineIndex.open(path), data)
+
+
+@pytest.mark.parametrize("data", [b"", b"\n\n \n", BOM])
+def test_sidecar_without_records(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, data: bytes) -> None:
+    path = write(tmp_path, data)
+    check(LineIndex.open(path), data)
+    forbid_build(monkeypatch)
+    loaded = LineIndex.open(path)
+    check(loaded, data)
+    assert loaded.num_records == 0 and loaded.sidecar is not None
+
+
+def refuse_dir(monkeypatch: pytest.MonkeyPatch, refused: list[Path] | None) -> None:
+    """Make temp-file creation fail in the ``refused`` dirs (everywhere when None), as if read-only.
+
+    Tests may run as root, which writes into 0o555 directories, so permissions are simulated.
+    """
+    original = line_index._create_temp
+
+    def create_temp(directory: str, name: str) -> tuple[int, str]:
+        if refused is None or Path(directory).resolve() in {r.resolve() for r in refused}:
+            raise PermissionError(13, "Permission denied", directory)
+        return original(directory, name)
+
+    monkeypatch.setattr(line_index, "_create_temp", create_temp)
+
+
+def test_read_only_dir_falls_back_to_cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    path = write(data_dir, DATA)
+    cache = tmp_path / "cache"
+    refuse_dir(monkeypatch, [data_dir])
+    index = LineIndex.open(path, cache_dir=str(cache))
+    check(index, DATA)
+    assert index.sidecar is not None and Path(index.sidecar).parent == cache
+    assert Path(index.sidecar).name.startswith("data.jsonl.") and index.sidecar.endswith(SIDECAR_SUFFIX)
+    assert not Path(path + SIDECAR_SUFFIX).exists()
+    forbid_build(monkeypatch)
+    again = LineIndex.open(path, cache_dir=str(cache))
+    assert again.sidecar == index.sidecar and isinstance(again.starts, np.memmap)
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root ignores directory permissions")
+def test_read_only_dir_real_permissions(tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    path = write(data_dir, DATA)
+    data_dir.chmod(0o555)
+    try:
+        index = LineIndex.open(path, cache_dir=str(tmp_path / "cache"))
+    finally:
+        data_dir.chmod(stat.S_IRWXU)
+    check(index, DATA)
+    assert index.sidecar is not None and Path(index.sidecar).parent == tmp_path / "cache"
+
+
+def test_cache_dir_from_env_then_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    path = write(data_dir, DATA)
+    refuse_dir(monkeypatch, [data_dir])
+    monkeypatch.setenv("RESUMABLE_CACHE_DIR", str(tmp_path / "env_cache"))
+    index = LineIndex.open(path)
+    assert index.sidecar is not None and Path(index.sidecar).parent == tmp_path / "env_cache"
+
+    monkeypatch.delenv("RESUMABLE_CACHE_DIR")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    index = LineIndex.open(path)
+    assert index.sidecar is not None
+    assert Path(index.sidecar).parent == tmp_path / "home" / ".cache" / "resumable" / "index"
+    check(index, DATA)
+
+
+def test_cache_names_differ_per_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = write(tmp_path / "a", DATA)
+    second = write(tmp_path / "b", DATA + b"2\n")  # same basename, other directory
+    refuse_dir(monkeypatch, [tmp_path / "a", tmp_path / "b"])
+    cache = tmp_path / "cache"
+    one = LineIndex.open(first, cache_dir=str(cache))
+    two = LineIndex.open(second, cache_dir=str(cache))
+    assert one.sidecar is not None and two.sidecar is not None and one.sidecar != two.sidecar
+    assert sorted(p.name for p in cache.iterdir()) == sorted(Path(s).name for s in (one.sidecar, two.sidecar))
+    check(one, DATA)
+    check(two, DATA + b"2\n")
+
+
+def test_fresh_cache_sidecar_wins_over_stale_local_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = write(tmp_path, DATA)
+    LineIndex.open(path)  # local sidecar, about to go stale
+    Path(path).write_bytes(DATA + b"4\n")
+    refuse_dir(monkeypatch, [tmp_path])  # the stale local sidecar cannot be replaced
+    cache = str(tmp_path / "cache")
+    index = LineIndex.open(path, cache_dir=cache)
+    assert index.sidecar is not None and index.sidecar.startswith(cache)
+    forbid_build(monkeypatch)
+    again = LineIndex.open(path, cache_dir=cache)
+    assert again.sidecar == index.sidecar
+    check(again, DATA + b"4\n")
+
+
+def test_nothing_writable_keeps_index_in_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = write(tmp_path, DATA)
+    refuse_dir(monkeypatch, None)
+    with pytest.warns(SidecarWarning, match="in memory") as record:
+        index = LineIndex.open(path, cache_dir=str(tmp_path / "cache"))
+    assert len(record) == 1
+    assert index.sidecar is None and not isinstance(index.starts, np.memmap)
+    check(index, DATA)
+    assert [p.name for p in tmp_path.rglob("*") if p.is_file()] == ["data.jsonl"]
+
+
+def test_unwritable_cache_dir_path(tmp_path: Path) -> None:
+    path = write(tmp_path, DATA)
+    blocker = tmp_path / "file"
+    blocker.write_bytes(b"")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        index = LineIndex.open(path, cache_dir=str(blocker / "cache"))  # data dir is writable
+    assert index.sidecar == path + SIDECAR_SUFFIX
+
+
+def test_concurrent_opens_agree(tmp_path: Path) -> None:
+    data = b"".join(b'{"i": %d}\n' % i for i in range(5000))
+    path = write(tmp_path, data)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        indexes = list(pool.map(lambda _: LineIndex.open(path), range(8)))
+    expected = reference(data)[0]
+    assert all(index.starts.tolist() == expected for index in indexes)
+    assert LineIndex._load(path, path + SIDECAR_SUFFIX, len(data), os.stat(path).st_mtime_ns) is not None
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors.
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    missing = str(tmp_path / "missing.jsonl")
+    for call in (LineIndex.open, LineIndex.build):
+        with pytest.raises(SourceError, match=r"missing\.jsonl"):
+            call(missing)
+
+
+def test_directory_is_not_a_data_file(tmp_path: Path) -> None:
+    for call in (LineIndex.open, LineIndex.build):
+        with pytest.raises(SourceError, match="not a regular file"):
+            call(str(tmp_path))
+
+
+def test_file_changed_while_building(tmp_path: Path) -> None:
+    path = write(tmp_path, DATA * 10)
+
+    def append(_: int) -> None:
+        with open(path, "ab") as data:
+            data.write(b'{"late": 1}\n')
+
+    with pytest.raises(SourceError, match="changed while being indexed"):
+        LineIndex.build(path, progress=append, chunk_size=16)
+
+
+def test_line_number_out_of_range(tmp_path: Path) -> None:
+    index = LineIndex.build(write(tmp_path, DATA))
+    for bad in (-1, index.num_records):
+        with pytest.raises(IndexError):
+            index.line_number(bad)
+    assert index.line_number(np.int64(1)) == 3

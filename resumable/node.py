@@ -12,7 +12,8 @@ Two kinds of node:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Generic, Sequence, TypeVar
+import operator
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Generic, Iterator, Sequence, TypeVar
 
 import numpy as np
 
@@ -53,16 +54,6 @@ POSITION = "position"
 # and double up to a size that amortises per-chunk work.
 MIN_CHUNK = 16
 MAX_CHUNK = 4096
-
-
-class Skipped:
-    """Marker a source returns for a record it skipped (``on_error="skip"``)."""
-
-    def __repr__(self) -> str:
-        return "SKIPPED"
-
-
-SKIPPED = Skipped()
 
 
 class Node(Generic[T]):
@@ -291,10 +282,18 @@ class IndexedNode(Node[T]):
             raise IndexError(f"{self.kind}: position {position!r} out of range [0, {len(self)})")
         self._prepare_chain()
         raw = self.leaf._raw_at(self._leaf_indices(np.array([position], dtype=np.int64), epoch))[0]
-        return self._finish(raw, int(position), epoch, skip=False)  # type: ignore[no-any-return]
+        record = raw
+        if self._decode is not None:
+            try:
+                record = self._decode(raw)
+            except Exception as error:  # noqa: BLE001 - the source raises its own error
+                self._reject(raw, int(position), epoch, error, may_skip=False)
+        for fn in self._fns:
+            record = fn(record)
+        return record  # type: ignore[no-any-return]
 
     def last_key(self) -> RecordKey | None:
-        position = self._chunk_start + self._i
+        position = self.position
         return (self._epoch, position - 1) if position > 0 else None
 
     # -- fluent methods that keep random access ----------------------------------------------
@@ -320,13 +319,16 @@ class IndexedNode(Node[T]):
         return Shard(self, rank, world_size, split_workers=split_workers)
 
     # -- the cursor -------------------------------------------------------------------------
+    # A chunk of raw records is consumed through C-level iterators, map(fn, map(decode,
+    # iter(chunk))), so handing out a record costs one call from __next__; the position is
+    # derived from how many raw records the chunk's list iterator has left.
 
     def _reset_cursor(self, position: int) -> None:
         self._chunk: Sequence[Any] = ()
         self._chunk_start = position
-        self._i = 0
-        self._n = 0
         self._chunk_size = MIN_CHUNK
+        self._pending: Iterator[Any] = iter(())
+        self._next_record: Callable[[], Any] = self._pending.__next__
 
     def _prepare_chain(self) -> None:
         if not self._chain_ready:
@@ -335,47 +337,55 @@ class IndexedNode(Node[T]):
             self._chain_ready = True
 
     def __next__(self) -> T:
-        while True:
-            i = self._i
-            while i >= self._n:
-                self._fill()
-                i = self._i
-            self._i = i + 1
-            record = self._finish(self._chunk[i], self._chunk_start + i, self._epoch, skip=True)
-            if record is not SKIPPED:
-                return record  # type: ignore[no-any-return]
+        try:
+            return self._next_record()  # type: ignore[no-any-return]
+        except StopIteration:
+            return self._next_in_new_chunk()
+        except Exception as error:  # noqa: BLE001 - sorted out off the hot path
+            return self._next_after_error(error)
 
-    def _finish(self, raw: Any, position: int, epoch: int, skip: bool) -> Any:
-        """Decode a raw record and apply the maps; a bad record raises or returns SKIPPED."""
-        record = raw
-        if self._decode is not None:
-            try:
-                record = self._decode(raw)
-            except Exception as exc:  # noqa: BLE001 - the source decides what a decode error means
-                leaf_index = int(self._leaf_indices(np.array([position], dtype=np.int64), epoch)[0])
-                record = self.leaf._decode_failed(raw, leaf_index, exc, skip)
-                if record is SKIPPED:
-                    return SKIPPED
-        for fn in self._fns:
-            record = fn(record)
-        return record
-
-    def _fill(self) -> None:
-        start = self._chunk_start + self._n
+    def _next_in_new_chunk(self) -> T:
+        start = self._chunk_start + len(self._chunk)
         total = len(self)
         if start >= total:
-            self._chunk_start, self._i, self._n, self._chunk = total, 0, 0, ()
+            self._chunk, self._chunk_start = (), total
             self._ended = True
             raise StopIteration
         self._prepare_chain()
         chunk = self._raw_chunk(start, min(self._chunk_size, total - start), self._epoch)
-        self._chunk, self._chunk_start, self._i, self._n = chunk, start, 0, len(chunk)
+        self._chunk, self._chunk_start = chunk, start
         self._chunk_size = min(self._chunk_size * 2, MAX_CHUNK)
+        self._pending = iter(chunk)
+        records: Iterator[Any] = self._pending
+        if self._decode is not None:
+            records = map(self._decode, records)
+        for fn in self._fns:
+            records = map(fn, records)
+        self._next_record = records.__next__
+        return self.__next__()
+
+    def _next_after_error(self, error: Exception) -> T:
+        """A record failed: a decode error goes to the source (raise or skip); an error raised
+        by a map function reaches the consumer as it is. Either way the record is consumed."""
+        position = self.position - 1
+        raw = self._chunk[position - self._chunk_start]
+        if self._decode is None:
+            raise error
+        try:
+            self._decode(raw)
+        except Exception as decode_error:  # noqa: BLE001 - the source raises its own error
+            self._reject(raw, position, self._epoch, decode_error, may_skip=True)
+            return self.__next__()
+        raise error
+
+    def _reject(self, raw: Any, position: int, epoch: int, error: Exception, may_skip: bool) -> None:
+        leaf_index = int(self._leaf_indices(np.array([position], dtype=np.int64), epoch)[0])
+        self.leaf._decode_failed(raw, leaf_index, error, may_skip)
 
     @property
     def position(self) -> int:
         """Records of the current epoch handed out so far (skipped ones included)."""
-        return self._chunk_start + self._i
+        return self._chunk_start + len(self._chunk) - operator.length_hint(self._pending)
 
     @property
     def epoch(self) -> int:
@@ -387,7 +397,7 @@ class IndexedNode(Node[T]):
         self._ended = False
 
     def _progress(self) -> dict[str, Any]:
-        return {EPOCH: self._epoch, POSITION: self._chunk_start + self._i}
+        return {EPOCH: self._epoch, POSITION: self.position}
 
     def _restore(self, state: dict[str, Any], path: str) -> None:
         epoch = require_count(state, EPOCH, path)

@@ -16,7 +16,6 @@ import numpy as np
 import orjson
 
 from resumable.errors import ConfigError, SourceError, StateError
-from resumable.node import SKIPPED
 from resumable.sources.files import Paths, expand_paths
 from resumable.sources.line_index import LineIndex
 from resumable.sources.source import Source
@@ -28,8 +27,8 @@ FILES = "files"
 ON_ERROR = "on_error"
 ON_ERROR_CHOICES = ("raise", "skip")
 
-# Sequential reads take whole records up to about this many bytes per block.
-BLOCK_BYTES = 1 << 16
+# A sequential read takes whole records up to about this many bytes (at least one record).
+BLOCK_BYTES = 4 << 20
 
 
 class JsonlSource(Source[Any]):
@@ -123,18 +122,11 @@ class JsonlSource(Source[Any]):
         file, first = self._locate(start)
         starts = self._index(file).starts
         stop = min(first + count, len(starts) - 1)
-        byte_start = int(starts[first])
-        fitting = int(np.searchsorted(starts[first + 1 : stop + 1], byte_start + BLOCK_BYTES, side="right"))
-        stop = first + max(fitting, 1)
-        block = self._map(file)[byte_start : int(starts[stop])]
-        lines = block.split(b"\n")
-        if lines[-1] == b"":
-            lines.pop()
-        if len(lines) == stop - first:
-            return lines
-        # Blank lines inside the block: cut it at the indexed record boundaries instead.
-        bounds = (starts[first : stop + 1] - np.uint64(byte_start)).tolist()
-        return [block[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+        byte_limit = int(starts[first]) + BLOCK_BYTES
+        stop = first + max(1, int(np.searchsorted(starts[first + 1 : stop + 1], byte_limit, side="right")))
+        bounds = starts[first : stop + 1].tolist()
+        mapped = self._map(file)
+        return [mapped[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
     def _raw_at(self, indices: np.ndarray) -> Sequence[bytes]:
         if len(self.paths) == 1:
@@ -155,7 +147,7 @@ class JsonlSource(Source[Any]):
     def _decoder(self) -> Callable[[Any], Any]:
         return orjson.loads
 
-    def _decode_failed(self, raw: Any, index: int, error: Exception, may_skip: bool) -> Any:
+    def _decode_failed(self, raw: Any, index: int, error: Exception, may_skip: bool) -> None:
         if not isinstance(error, orjson.JSONDecodeError):
             raise error
         file, local = self._locate(index)
@@ -164,7 +156,7 @@ class JsonlSource(Source[Any]):
         if self.on_error == "skip" and may_skip:
             self.skipped += 1
             logger.warning("%s: skipped malformed JSON record (%s)", where, error)
-            return SKIPPED
+            return
         raise SourceError(f"{where}: malformed JSON record: {error}") from error
 
     # -- pickling (DataLoader workers): memory maps and indices are reopened lazily ------------

@@ -43,6 +43,7 @@ class Source(IndexedNode[T]):
         """The function turning a raw record into a record; None when raw records are final."""
         return None
 
-    def _decode_failed(self, raw: Any, index: int, error: Exception, may_skip: bool) -> Any:
-        """Handle a record the decoder rejected: raise a SourceError, or return SKIPPED."""
+    def _decode_failed(self, raw: Any, index: int, error: Exception, may_skip: bool) -> None:
+        """Handle a record the decoder rejected: raise a SourceError, or return to skip it
+        (only when ``may_skip``: random access never skips)."""
         raise error

@@ -1,0 +1,152 @@
+"""JSONL source against a bare ``orjson`` loop on the same file, in one run.
+
+    python bench/bench_jsonl.py [--size-mb 300] [--repeats 3]
+
+Prints docs/s of sequential and shuffled iteration against ``for line in f: orjson.loads(line)``,
+resume latency (``set_state`` + first record) at 1%, 50% and 99% of the file (with Hugging Face
+``datasets`` streaming JSON beside it when installed), and ``get_state()`` cost on a chain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import timeit
+from typing import Any, Callable
+
+import orjson
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import resumable as rs  # noqa: E402
+from bench.corpus import make_jsonl_corpus  # noqa: E402
+
+DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+RESUME_POINTS = (0.01, 0.5, 0.99)
+
+
+def bare_loop(path: str) -> int:
+    """The baseline: a plain binary line loop decoding each line with orjson."""
+    count = 0
+    with open(path, "rb") as handle:
+        for line in handle:
+            orjson.loads(line)
+            count += 1
+    return count
+
+
+def drain(pipe: rs.Node) -> int:
+    count = 0
+    for _ in pipe:
+        count += 1
+    return count
+
+
+def best_of(repeats: int, runs: dict[str, Callable[[], int]]) -> dict[str, tuple[float, int]]:
+    """Best wall time of each run, interleaved so machine noise hits all of them alike."""
+    best: dict[str, tuple[float, int]] = {}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            count = run()
+            elapsed = time.perf_counter() - start
+            if name not in best or elapsed < best[name][0]:
+                best[name] = (elapsed, count)
+    return best
+
+
+def resume_latency(build: Callable[[], rs.Node], position: int) -> tuple[float, float]:
+    """Seconds to build the pipeline, and to ``set_state`` at ``position`` plus the first record."""
+    state = build().get_state()
+    state["position"] = position
+    start = time.perf_counter()
+    pipe = build()
+    built = time.perf_counter()
+    pipe.set_state(state)
+    next(pipe)
+    return built - start, time.perf_counter() - built
+
+
+def hf_resume_latency(path: str, position: int) -> float | None:
+    """Hugging Face ``datasets`` streaming JSON: ``load_state_dict`` at ``position`` + first record."""
+    try:
+        import datasets
+    except ImportError:
+        return None
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    datasets.disable_progress_bars()
+
+    def load() -> Any:
+        return datasets.load_dataset("json", data_files=path, split="train", streaming=True)
+
+    probe = load()
+    next(iter(probe))
+    state = probe.state_dict()
+    _set_example_index(state, position)
+    start = time.perf_counter()
+    resumed = load()
+    resumed.load_state_dict(state)
+    next(iter(resumed))
+    return time.perf_counter() - start
+
+
+def _set_example_index(state: Any, position: int) -> None:
+    """Point a datasets IterableDataset state at ``position`` within its (single) shard."""
+    if isinstance(state, dict):
+        for key, value in state.items():
+            if key == "shard_example_idx":
+                state[key] = position
+            else:
+                _set_example_index(value, position)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size-mb", type=int, default=300)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-hf", action="store_true", help="skip the Hugging Face datasets comparison")
+    args = parser.parse_args()
+
+    path = make_jsonl_corpus(os.path.join(DATA_DIR, f"corpus-{args.size_mb}mb.jsonl"), args.size_mb << 20)
+    size_mb = os.path.getsize(path) / 1e6
+    with open(path, "rb") as handle:  # warm the page cache
+        while handle.read(64 << 20):
+            pass
+    records = len(rs.jsonl(path))  # builds or loads the line index
+    print(f"file: {path} ({size_mb:.0f} MB, {records:,} records, {size_mb * 1e6 / records / 1e3:.1f} KB/record)")
+
+    best = best_of(
+        args.repeats,
+        {
+            "bare orjson loop": lambda: bare_loop(path),
+            "rs.jsonl": lambda: drain(rs.jsonl(path)),
+            "rs.jsonl.shuffle(0)": lambda: drain(rs.jsonl(path).shuffle(0)),
+        },
+    )
+    base_seconds, base_count = best["bare orjson loop"]
+    print(f"\n{'iteration':<22}{'docs/s':>12}{'MB/s':>9}{'ratio':>8}")
+    for name, (seconds, count) in best.items():
+        if count != base_count:
+            raise SystemExit(f"{name} read {count} records, the bare loop {base_count}")
+        print(f"{name:<22}{count / seconds:>12,.0f}{size_mb / seconds:>9.0f}{base_seconds / seconds:>8.2f}")
+
+    print(f"\n{'resume at':<12}{'build ms':>10}{'set_state+next ms':>19}{'shuffled ms':>13}{'HF datasets ms':>16}")
+    for fraction in RESUME_POINTS:
+        position = int(records * fraction)
+        build_s, resume_s = min(resume_latency(lambda: rs.jsonl(path), position) for _ in range(5))
+        shuffled_s = min(resume_latency(lambda: rs.jsonl(path).shuffle(0), position)[1] for _ in range(5))
+        hf = None if args.no_hf else hf_resume_latency(path, position)
+        hf_text = "n/a" if hf is None else f"{hf * 1e3:.0f}"
+        print(f"{fraction:<12.0%}{build_s * 1e3:>10.2f}{resume_s * 1e3:>19.3f}{shuffled_s * 1e3:>13.3f}{hf_text:>16}")
+
+    chain = rs.jsonl(path).shuffle(0).shard(0, 1).map(lambda r: r["text"]).filter(bool).batch(8)
+    next(chain)
+    calls = 20000
+    cost = min(timeit.repeat(chain.get_state, number=calls, repeat=3)) / calls
+    print(f"\nget_state() on jsonl>shuffle>shard>map>filter>batch: {cost * 1e6:.2f} us per call")
+
+
+if __name__ == "__main__":
+    main()

@@ -94,9 +94,23 @@ class Node(Generic[T]):
 
     def next_epoch(self) -> None:
         """Start the next epoch: a full new pass, in a new shuffle order."""
+        self._begin_epoch(None)
+
+    def start_epoch(self, epoch: int) -> None:
+        """Start epoch ``epoch`` from its beginning (what a fresh DataLoader worker does)."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ConfigError(f"{self.kind}: epoch must be a non-negative int, got {epoch!r}")
+        self._begin_epoch(epoch)
+
+    def _begin_epoch(self, epoch: int | None) -> None:
+        """Reset this node and its upstream to the start of ``epoch`` (None: the next one)."""
         if self.upstream is not None:
-            self.upstream.next_epoch()
+            self.upstream._begin_epoch(epoch)
         self._ended = False
+        self._on_epoch_start()
+
+    def _on_epoch_start(self) -> None:
+        """Hook: clear per-epoch counters and buffers."""
 
     # -- provenance: lets buffering nodes store references instead of contents ----------------
 
@@ -391,8 +405,9 @@ class IndexedNode(Node[T]):
     def epoch(self) -> int:
         return self._epoch
 
-    def next_epoch(self) -> None:
-        self._epoch += 1
+    def _begin_epoch(self, epoch: int | None) -> None:
+        # Indexed upstreams are read by random access: only this cursor moves.
+        self._epoch = self._epoch + 1 if epoch is None else epoch
         self._reset_cursor(0)
         self._ended = False
 

@@ -62,3 +62,28 @@ def test_restored_end_of_epoch_finishes_that_epoch_first() -> None:
 def test_invalid_times(times) -> None:
     with pytest.raises(rs.ConfigError):
         rs.from_list([1]).repeat(times)
+
+
+def test_start_epoch_jumps_to_the_beginning_of_any_epoch() -> None:
+    def build() -> rs.Node:
+        return rs.from_list(list(range(30))).shuffle(4).filter(lambda x: x % 4).batch(4)
+
+    pipe = build()
+    epochs = [list(pipe) for _ in range(4)]
+    fresh = build()
+    fresh.start_epoch(2)
+    assert list(fresh) == epochs[2]
+    midway = build()
+    take(midway, 3)
+    midway.start_epoch(1)  # abandons the current epoch
+    assert list(midway) == epochs[1]
+    assert midway.upstream.dropped == epochs_dropped(build, 1)
+    with pytest.raises(rs.ConfigError, match="epoch must be a non-negative int"):
+        build().start_epoch(-1)
+
+
+def epochs_dropped(build, epoch: int) -> int:
+    pipe = build()
+    pipe.start_epoch(epoch)
+    list(pipe)
+    return pipe.upstream.dropped

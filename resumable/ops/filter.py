@@ -31,8 +31,7 @@ class Filter(Node[T]):
                 return item  # type: ignore[no-any-return]
             self.dropped += 1
 
-    def next_epoch(self) -> None:
-        super().next_epoch()
+    def _on_epoch_start(self) -> None:
         self.dropped = 0
 
     def last_key(self) -> RecordKey | None:

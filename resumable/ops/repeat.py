@@ -48,8 +48,7 @@ class Repeat(Node[T]):
             self._yielded = True
             return item  # type: ignore[no-any-return]
 
-    def next_epoch(self) -> None:
-        super().next_epoch()
+    def _on_epoch_start(self) -> None:
         self.epochs_done = 0
         self._yielded = False
 

@@ -1,0 +1,588 @@
+"""Pack: token sequences into fixed-length rows, checkpointed by reference.
+
+The packer holds documents in a bounded buffer, but its state never holds tokens: every
+buffered piece is saved as ``[epoch, position, token_start, token_end]``, the provenance key of
+the indexed record it came from (``upstream.last_key()``) plus a token range. A restore
+fetches those records again by random access (``upstream.fetch(key)``), so its cost is bounded
+by the buffer, never by the position in the epoch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping, NamedTuple
+
+import numpy as np
+
+from resumable.errors import ConfigError, ResumableError, SourceError, StateError
+from resumable.node import IndexedNode, Node, RecordKey
+from resumable.pack.rows import RowFormat, Segment, collate_rows, cu_seqlens_length
+from resumable.pack.strategies import STRATEGIES, NextFit, Packer, Row, best_fit_decreasing, make_packer
+from resumable.state import require, require_count
+
+DEFAULT_BUFFER_SIZE = 1000
+OVERLONG_POLICIES = ("split", "truncate", "drop")
+POSITION_MODES = ("restart", "continue")
+
+# Options that shape the rows (``_config``): a state saved with other values is rejected.
+SEQ_LEN = "seq_len"
+STRATEGY = "strategy"
+BUFFER_SIZE = "buffer_size"
+OVERLONG = "overlong"
+SPLIT_POSITIONS = "split_positions"
+MASK_FIRST_TOKEN = "mask_first_token"
+MAX_DOCUMENTS = "max_documents"
+INPUT_FIELD = "input_field"
+LABELS_FIELD = "labels_field"
+PAD_TOKEN_ID = "pad_token_id"
+
+# Progress of a streaming packer.
+OPEN = "open"
+READY = "ready"
+SPAN = "span"
+EXHAUSTED = "exhausted"
+# Progress of a whole-epoch plan (``strategy="bfd"`` without ``buffer_size``).
+EPOCH = "epoch"
+EMITTED = "emitted"
+# Counters, in both modes.
+STATS = "stats"
+
+DOCUMENTS = "documents"
+SPLIT = "split"
+TRUNCATED = "truncated"
+DROPPED = "dropped"
+EMPTY = "empty"
+ROWS = "rows"
+PADDING = "padding"
+COUNTERS = (DOCUMENTS, SPLIT, TRUNCATED, DROPPED, EMPTY, ROWS, PADDING)
+DOCUMENT_COUNTERS = (DOCUMENTS, SPLIT, TRUNCATED, DROPPED, EMPTY)
+
+PIECE_FIELDS = 4  # [epoch, position, token_start, token_end]
+
+
+@dataclass(frozen=True)
+class PackStats:
+    """What the packer did this epoch.
+
+    ``documents`` counts documents with tokens in the rows (``split`` and ``truncated`` ones
+    included), ``dropped`` overlong documents left out, ``empty`` documents without tokens.
+    Document counters grow when the packer takes a document (it may still be buffered);
+    ``rows`` and ``padding`` (tokens) grow when a row is handed out.
+    """
+
+    seq_len: int
+    documents: int = 0
+    split: int = 0
+    truncated: int = 0
+    dropped: int = 0
+    empty: int = 0
+    rows: int = 0
+    padding: int = 0
+
+    @property
+    def tokens(self) -> int:
+        """Non-padding tokens handed out."""
+        return self.rows * self.seq_len - self.padding
+
+    @property
+    def efficiency(self) -> float:
+        """Non-padding tokens / (rows * seq_len); 0.0 before the first row."""
+        return self.tokens / (self.rows * self.seq_len) if self.rows else 0.0
+
+
+class Piece(NamedTuple):
+    """Tokens ``[start, end)`` of the record with key ``(epoch, position)``."""
+
+    epoch: int
+    position: int
+    start: int
+    end: int
+    tokens: np.ndarray
+    labels: np.ndarray | None
+
+    def ref(self) -> list[int]:
+        """The piece as saved in a state."""
+        return [self.epoch, self.position, self.start, self.end]
+
+    def segment(self) -> Segment:
+        return Segment(self.tokens, self.labels, self.start, self.end)
+
+
+class Plan(NamedTuple):
+    """A whole epoch packed ahead: pieces by index, and rows of piece indices in output order."""
+
+    positions: list[int]
+    starts: list[int]
+    ends: list[int]
+    rows: list[Row]
+    counts: dict[str, int]
+
+
+class Pack(Node[dict[str, np.ndarray]]):
+    """Pack documents' token ids into rows of exactly ``seq_len`` tokens.
+
+    Options:
+
+    - ``strategy``: ``"best_fit"`` (default; best-fit-decreasing rounds over a buffer of
+      ``buffer_size`` documents), ``"first_fit"`` (each document into the oldest open row with
+      room; at most ``buffer_size`` documents in open rows), ``"greedy"`` (next-fit: one open row,
+      closed when the next document does not fit) or ``"bfd"`` (best-fit-decreasing: over the whole
+      epoch of an indexed upstream when ``buffer_size`` is not given, else over consecutive
+      windows of ``buffer_size`` documents).
+    - ``buffer_size``: documents the packer may hold (default 1000; see ``strategy`` for bfd).
+    - ``overlong``: documents longer than ``seq_len`` are ``"split"`` (full rows of ``seq_len``,
+      then the tail packed like any document), ``"truncate"`` (first ``seq_len`` tokens) or
+      ``"drop"``.
+    - ``split_positions``: ``"restart"`` (a split tail's positions start at 0) or ``"continue"``
+      (they continue from the tail's offset in the document).
+    - ``mask_first_token``: labels -100 at the first token of every piece, so no token is
+      trained to follow the previous document.
+    - ``max_documents``: pieces per row at most (bounds the length of ``cu_seqlens``).
+    - ``input_field`` / ``labels_field``: record fields holding the token ids and optional labels
+      (``labels_field=None``: labels are always the token ids).
+    - ``pad_token_id``: ``input_ids`` value at padding.
+
+    Rows are dicts of numpy arrays (see ``resumable.pack.rows``); ``Pack.collate`` stacks them
+    into batches. ``stats`` reports what the packer did. Once the upstream ends, the open rows
+    are flushed, so an epoch's last rows come before its StopIteration; after ``.repeat()`` the
+    stream never ends and documents of consecutive epochs share rows.
+    """
+
+    collate = staticmethod(collate_rows)
+
+    def __init__(
+        self,
+        upstream: Node[Any],
+        seq_len: int,
+        *,
+        strategy: str = "best_fit",
+        buffer_size: int | None = None,
+        overlong: str = "split",
+        split_positions: str = "restart",
+        mask_first_token: bool = False,
+        max_documents: int | None = None,
+        input_field: str = "input_ids",
+        labels_field: str | None = "labels",
+        pad_token_id: int = 0,
+    ) -> None:
+        super().__init__(upstream)
+        kind = self.kind
+        _check_positive_int(kind, SEQ_LEN, seq_len)
+        _check_choice(kind, STRATEGY, strategy, STRATEGIES)
+        _check_choice(kind, OVERLONG, overlong, OVERLONG_POLICIES)
+        _check_choice(kind, SPLIT_POSITIONS, split_positions, POSITION_MODES)
+        if buffer_size is not None:
+            _check_positive_int(kind, BUFFER_SIZE, buffer_size)
+        if max_documents is not None:
+            _check_positive_int(kind, MAX_DOCUMENTS, max_documents)
+        if not isinstance(mask_first_token, bool):
+            raise ConfigError(f"{kind}: mask_first_token must be a bool, got {mask_first_token!r}")
+        if not isinstance(input_field, str):
+            raise ConfigError(f"{kind}: input_field must be a str, got {input_field!r}")
+        if labels_field is not None and not isinstance(labels_field, str):
+            raise ConfigError(f"{kind}: labels_field must be a str or None, got {labels_field!r}")
+        if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int):
+            raise ConfigError(f"{kind}: pad_token_id must be an int, got {pad_token_id!r}")
+
+        self._whole_epoch = strategy == "bfd" and buffer_size is None
+        if self._whole_epoch and not isinstance(upstream, IndexedNode):
+            raise ConfigError(
+                f"{kind}: strategy='bfd' without buffer_size plans the whole epoch and needs random "
+                f"access, but the upstream {upstream!r} is not indexed (filter, repeat and batch are "
+                "not); give buffer_size=N to pack windows of N documents instead"
+            )
+        self.seq_len = seq_len
+        self.strategy = strategy
+        self.buffer_size = None if self._whole_epoch else (buffer_size or DEFAULT_BUFFER_SIZE)
+        self.overlong = overlong
+        self.split_positions = split_positions
+        self.mask_first_token = mask_first_token
+        self.max_documents = max_documents
+        self.input_field = input_field
+        self.labels_field = labels_field
+        self.pad_token_id = pad_token_id
+        self._format = RowFormat(
+            seq_len=seq_len,
+            cu_len=cu_seqlens_length(seq_len, max_documents),
+            pad_token_id=pad_token_id,
+            mask_first_token=mask_first_token,
+            continue_positions=split_positions == "continue",
+        )
+        if self._whole_epoch:
+            # The plan reads the upstream by random access: only its configuration is saved.
+            self._upstream_progress = False
+        self._epoch = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        """Empty buffers and counters: a new epoch."""
+        self._packer = self._new_packer()
+        self._pieces: dict[int, Piece] = {}
+        self._next_id = 0
+        self._ready: deque[Row] = deque()
+        self._span: Piece | None = None
+        self._exhausted = False
+        self._counts = dict.fromkeys(COUNTERS, 0)
+        self._plan: Plan | None = None
+        self._emitted = 0
+        self._cached: tuple[RecordKey, tuple[np.ndarray, np.ndarray | None]] | None = None
+
+    def _new_packer(self) -> Packer:
+        """The streaming strategy. A whole-epoch plan packs in ``_make_plan``; its packer stays empty."""
+        if self.buffer_size is None:
+            return NextFit(self.seq_len)
+        return make_packer(self.strategy, self.seq_len, self.buffer_size, self.max_documents)
+
+    # -- public views ------------------------------------------------------------------------
+
+    @property
+    def stats(self) -> PackStats:
+        """Counters of this epoch (a snapshot)."""
+        return PackStats(self.seq_len, **self._counts)
+
+    def pending_keys(self) -> list[RecordKey]:
+        """``(epoch, position)`` of every document taken from upstream but not fully handed out,
+        once each: exactly the records a restore fetches again. For a whole-epoch plan, the
+        documents of the rows not yet handed out."""
+        if self._whole_epoch:
+            if self._plan is None:
+                return []
+            plan = self._plan
+            keys = (
+                (self._epoch, plan.positions[index]) for row in plan.rows[self._emitted :] for index in row
+            )
+            return list(dict.fromkeys(keys))
+        return list(dict.fromkeys((piece.epoch, piece.position) for piece in self._buffered()))
+
+    def _buffered(self) -> Iterator[Piece]:
+        pieces = self._pieces
+        if self._span is not None:
+            yield self._span
+        for row in self._ready:
+            yield from (pieces[item] for item in row)
+        for group in self._packer.groups():
+            yield from (pieces[item] for item in group)
+
+    # -- iteration ---------------------------------------------------------------------------
+
+    def _next(self) -> dict[str, np.ndarray]:
+        if self._whole_epoch:
+            return self._next_planned()
+        while True:
+            if self._span is not None:
+                return self._emit_span()
+            if self._ready:
+                return self._emit(self._ready.popleft())
+            if self._exhausted:
+                raise StopIteration
+            self._pull()
+
+    def _pull(self) -> None:
+        """Take one document from upstream; at its end, flush the open rows."""
+        upstream = self.upstream
+        try:
+            record = next(upstream)  # type: ignore[call-overload]
+        except StopIteration:
+            self._exhausted = True
+            self._ready.extend(self._packer.flush())
+            return
+        key = upstream.last_key()  # type: ignore[union-attr]
+        if key is None:
+            raise ConfigError(
+                f"{self.kind}: the upstream {upstream!r} cannot trace its items back to indexed records "
+                "(last_key() is None), so the packer cannot checkpoint its buffer by reference; build "
+                "the pipeline from an indexed source with shuffle/shard/map, then filter/repeat, then pack()"
+            )
+        epoch, position = key
+        tokens, labels = self._read(record, key)
+        full, end = self._cut(len(tokens), self._counts)
+        if full:
+            self._span = Piece(epoch, position, 0, full, tokens, labels)
+        if end > full:
+            item = self._next_id
+            self._next_id = item + 1
+            self._pieces[item] = Piece(epoch, position, full, end, tokens, labels)
+            self._ready.extend(self._packer.add(item, end - full))
+
+    def _cut(self, length: int, counts: dict[str, int]) -> tuple[int, int]:
+        """Apply the overlong policy to a document of ``length`` tokens and count it.
+
+        Returns ``(full, end)``: tokens ``[0, full)`` make whole rows of their own (a multiple
+        of ``seq_len``), tokens ``[full, end)`` are one piece to pack; ``(0, 0)`` keeps nothing.
+        """
+        seq_len = self.seq_len
+        if length == 0:
+            counts[EMPTY] += 1
+            return 0, 0
+        if length <= seq_len:
+            counts[DOCUMENTS] += 1
+            return (length, length) if length == seq_len else (0, length)
+        if self.overlong == "drop":
+            counts[DROPPED] += 1
+            return 0, 0
+        counts[DOCUMENTS] += 1
+        if self.overlong == "truncate":
+            counts[TRUNCATED] += 1
+            return seq_len, seq_len
+        counts[SPLIT] += 1
+        return length - length % seq_len, length
+
+    def _read(self, record: Any, key: RecordKey) -> tuple[np.ndarray, np.ndarray | None]:
+        """The record's token ids (and labels if it has them) as 1-d integer numpy arrays."""
+        field = self.input_field
+        if not isinstance(record, Mapping):
+            raise SourceError(
+                f"{self.kind}: record {_key_text(key)} is a {type(record).__name__}, "
+                f"expected a mapping with a {field!r} field"
+            )
+        if field not in record:
+            names = ", ".join(repr(name) for name in list(record)[:8])
+            raise SourceError(
+                f"{self.kind}: record {_key_text(key)} has no {field!r} field (it has {names or 'none'}); "
+                "tokenize before pack(), or set input_field"
+            )
+        tokens = self._ids(record[field], key, field)
+        labels_field = self.labels_field
+        if labels_field is None or labels_field not in record:
+            return tokens, None
+        labels = self._ids(record[labels_field], key, labels_field)
+        if len(labels) != len(tokens):
+            raise SourceError(
+                f"{self.kind}: record {_key_text(key)} has {len(labels)} {labels_field!r} "
+                f"for {len(tokens)} {field!r}"
+            )
+        return tokens, labels
+
+    def _ids(self, value: Any, key: RecordKey, field: str) -> np.ndarray:
+        try:
+            array = value if isinstance(value, np.ndarray) else np.asarray(value)
+        except (TypeError, ValueError) as exc:
+            raise SourceError(f"{self.kind}: record {_key_text(key)} field {field!r} is not an array: {exc}") from exc
+        if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
+            raise SourceError(
+                f"{self.kind}: record {_key_text(key)} field {field!r} must be a 1-d sequence of integer ids, "
+                f"got shape {array.shape} of {array.dtype}"
+            )
+        return array
+
+    def _emit_span(self) -> dict[str, np.ndarray]:
+        """The next whole row of a long document."""
+        span = self._span
+        stop = span.start + self.seq_len  # type: ignore[union-attr]
+        self._span = span._replace(start=stop) if stop < span.end else None  # type: ignore[union-attr]
+        self._counts[ROWS] += 1
+        return self._format.build([Segment(span.tokens, span.labels, span.start, stop)])  # type: ignore[union-attr]
+
+    def _emit(self, row: Row) -> dict[str, np.ndarray]:
+        pieces = self._pieces
+        segments = [pieces.pop(item).segment() for item in row]
+        self._count_row(segments)
+        return self._format.build(segments)
+
+    def _count_row(self, segments: list[Segment]) -> None:
+        counts = self._counts
+        counts[ROWS] += 1
+        counts[PADDING] += self.seq_len - sum(segment.end - segment.start for segment in segments)
+
+    # -- whole-epoch plan (strategy="bfd" without buffer_size) -----------------------------
+
+    def _next_planned(self) -> dict[str, np.ndarray]:
+        if self._plan is None:
+            self._plan = self._make_plan(self._epoch)
+            self._counts.update(self._plan.counts)
+        plan = self._plan
+        if self._emitted == len(plan.rows):
+            raise StopIteration
+        segments = []
+        for index in plan.rows[self._emitted]:
+            tokens, labels = self._fetch_cached((self._epoch, plan.positions[index]))
+            segments.append(Segment(tokens, labels, plan.starts[index], plan.ends[index]))
+        self._emitted += 1
+        self._count_row(segments)
+        return self._format.build(segments)
+
+    def _fetch_cached(self, key: RecordKey) -> tuple[np.ndarray, np.ndarray | None]:
+        """A record's arrays; the last one is kept, as a long document's rows come in a row."""
+        if self._cached is None or self._cached[0] != key:
+            self._cached = (key, self._read(self.upstream.fetch(key), key))  # type: ignore[union-attr]
+        return self._cached[1]
+
+    def _make_plan(self, epoch: int) -> Plan:
+        """Read every record's length (one pass of random access) and pack the epoch."""
+        upstream = self.upstream
+        seq_len = self.seq_len
+        counts = dict.fromkeys(DOCUMENT_COUNTERS, 0)
+        positions: list[int] = []
+        starts: list[int] = []
+        ends: list[int] = []
+        for position in range(len(upstream)):  # type: ignore[arg-type]
+            key = (epoch, position)
+            tokens, _ = self._read(upstream.fetch(key), key)  # type: ignore[union-attr]
+            full, end = self._cut(len(tokens), counts)
+            cuts = list(range(0, full + 1, seq_len)) if full else [0]
+            if end > full:
+                cuts.append(end)
+            for start, stop in zip(cuts, cuts[1:]):
+                positions.append(position)
+                starts.append(start)
+                ends.append(stop)
+        lengths = np.array(ends, dtype=np.int64) - np.array(starts, dtype=np.int64)
+        packed = np.flatnonzero(lengths < seq_len)
+        rows = [[int(index)] for index in np.flatnonzero(lengths == seq_len)]
+        for row in best_fit_decreasing(lengths[packed], seq_len, self.max_documents):
+            rows.append([int(packed[i]) for i in row])
+        rows.sort(key=lambda row: row[0])  # the order of the (shuffled) upstream
+        return Plan(positions, starts, ends, rows, counts)
+
+    # -- epochs and state --------------------------------------------------------------------
+
+    def next_epoch(self) -> None:
+        super().next_epoch()
+        self._epoch += 1
+        self._reset()
+
+    def _config(self) -> dict[str, Any]:
+        return {
+            SEQ_LEN: self.seq_len,
+            STRATEGY: self.strategy,
+            BUFFER_SIZE: self.buffer_size,
+            OVERLONG: self.overlong,
+            SPLIT_POSITIONS: self.split_positions,
+            MASK_FIRST_TOKEN: self.mask_first_token,
+            MAX_DOCUMENTS: self.max_documents,
+            INPUT_FIELD: self.input_field,
+            LABELS_FIELD: self.labels_field,
+            PAD_TOKEN_ID: self.pad_token_id,
+        }
+
+    def _progress(self) -> dict[str, Any]:
+        if self._whole_epoch:
+            return {EPOCH: self._epoch, EMITTED: self._emitted, STATS: dict(self._counts)}
+        pieces = self._pieces
+        return {
+            OPEN: [[pieces[item].ref() for item in group] for group in self._packer.groups()],
+            READY: [[pieces[item].ref() for item in row] for row in self._ready],
+            SPAN: self._span.ref() if self._span is not None else [],
+            EXHAUSTED: self._exhausted,
+            STATS: dict(self._counts),
+        }
+
+    def _restore(self, state: dict[str, Any], path: str) -> None:
+        saved = require(state, STATS, dict, path)
+        counts = {name: require_count(saved, name, f"{path} > {STATS}") for name in COUNTERS}
+        if self._whole_epoch:
+            self._restore_plan(state, path, counts)
+            return
+        open_groups = _require_lists(state, OPEN, path)
+        ready_rows = _require_lists(state, READY, path)
+        span_ref = require(state, SPAN, list, path)
+        exhausted = require(state, EXHAUSTED, bool, path)
+
+        fetcher = _Refetcher(self, path)
+        pieces: dict[int, Piece] = {}
+
+        def load(entry: Any, where: str) -> int:
+            piece = fetcher.piece(entry, where)
+            if piece.end - piece.start > self.seq_len:
+                raise StateError(f"{path}: {where} piece {entry} is longer than seq_len={self.seq_len}")
+            item = len(pieces)
+            pieces[item] = piece
+            return item
+
+        groups = [[load(entry, OPEN) for entry in group] for group in open_groups]
+        ready: deque[Row] = deque()
+        for row in ready_rows:
+            items = [load(entry, READY) for entry in row]
+            used = sum(pieces[item].end - pieces[item].start for item in items)
+            if not items or used > self.seq_len or len(items) > (self.max_documents or self.seq_len):
+                raise StateError(f"{path}: a ready row {row} does not fit a row of seq_len={self.seq_len}")
+            ready.append(items)
+        span = None
+        if span_ref:
+            span = fetcher.piece(span_ref, SPAN)
+            if (span.end - span.start) % self.seq_len:
+                raise StateError(f"{path}: {SPAN} {span_ref} is not a whole number of rows of {self.seq_len}")
+
+        packer = self._new_packer()
+        try:
+            packer.restore([[(item, pieces[item].end - pieces[item].start) for item in group] for group in groups])
+        except ValueError as exc:
+            raise StateError(f"{path}: the {OPEN} groups do not fit strategy {self.strategy!r}: {exc}") from exc
+        self._reset()
+        self._packer, self._pieces, self._next_id = packer, pieces, len(pieces)
+        self._ready, self._span, self._exhausted, self._counts = ready, span, exhausted, counts
+
+    def _restore_plan(self, state: dict[str, Any], path: str, counts: dict[str, int]) -> None:
+        """Plan the saved epoch again (one pass over its records) and skip the rows handed out."""
+        epoch = require_count(state, EPOCH, path)
+        emitted = require_count(state, EMITTED, path)
+        try:
+            plan = self._make_plan(epoch)
+        except (IndexError, ResumableError) as exc:
+            raise StateError(f"{path}: cannot plan epoch {epoch} again: {exc}") from exc
+        if emitted > len(plan.rows):
+            raise StateError(f"{path}: state has {emitted} rows handed out, the epoch's plan has {len(plan.rows)}")
+        self._reset()
+        counts.update(plan.counts)
+        self._epoch, self._emitted, self._plan, self._counts = epoch, emitted, plan, counts
+
+
+class _Refetcher:
+    """Turns saved piece references back into pieces, fetching each record once."""
+
+    def __init__(self, pack: Pack, path: str) -> None:
+        self._pack = pack
+        self._path = path
+        self._records: dict[RecordKey, tuple[np.ndarray, np.ndarray | None]] = {}
+
+    def piece(self, entry: Any, where: str) -> Piece:
+        path = self._path
+        if (
+            not isinstance(entry, list)
+            or len(entry) != PIECE_FIELDS
+            or any(isinstance(value, bool) or not isinstance(value, int) or value < 0 for value in entry)
+        ):
+            raise StateError(
+                f"{path}: {where} entry {entry!r} is not [epoch, position, token_start, token_end] of ints >= 0"
+            )
+        epoch, position, start, end = entry
+        key = (epoch, position)
+        arrays = self._records.get(key)
+        if arrays is None:
+            pack = self._pack
+            try:
+                arrays = pack._read(pack.upstream.fetch(key), key)  # type: ignore[union-attr]
+            except (IndexError, ResumableError) as exc:
+                raise StateError(f"{path}: the buffered record {_key_text(key)} cannot be fetched again: {exc}") from exc
+            self._records[key] = arrays
+        tokens, labels = arrays
+        if not start < end <= len(tokens):
+            raise StateError(
+                f"{path}: {where} entry {entry} is outside record {_key_text(key)} of {len(tokens)} tokens "
+                "(did the data change?)"
+            )
+        return Piece(epoch, position, start, end, tokens, labels)
+
+
+def _require_lists(state: Mapping[str, Any], key: str, path: str) -> list[list[Any]]:
+    """A list of lists (groups or rows of piece references)."""
+    value = require(state, key, list, path)
+    for group in value:
+        if not isinstance(group, list):
+            raise StateError(f"{path}: state entry {key!r} holds {group!r}, expected lists of pieces")
+    return value
+
+
+def _key_text(key: RecordKey) -> str:
+    return f"(epoch {key[0]}, position {key[1]})"
+
+
+def _check_positive_int(kind: str, name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{kind}: {name} must be a positive int, got {value!r}")
+
+
+def _check_choice(kind: str, name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{kind}: unknown {name} {value!r}, expected one of {', '.join(map(repr, choices))}")

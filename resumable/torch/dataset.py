@@ -1,0 +1,70 @@
+"""A pipeline as a ``torch.utils.data.IterableDataset``."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Union
+
+from torch.utils.data import IterableDataset
+
+from resumable.errors import ConfigError
+from resumable.node import Node
+
+PipelineOrFactory = Union[Node[Any], Callable[[], Node[Any]]]
+
+
+class PipelineDataset(IterableDataset):  # type: ignore[type-arg]
+    """Each DataLoader worker iterates its own copy of the pipeline, which reads a disjoint
+    partition: ``.shard()`` resolves ``rank * num_workers + worker`` inside the worker.
+
+    Epochs: the first ``iter()`` in a process starts epoch ``epoch`` (set in the main process
+    before workers start, by ``rs.torch.Loader`` or by ``set_epoch``); each later ``iter()``
+    starts the epoch set since, or else the next one. So fresh workers, persistent workers
+    (which keep their own copy of this object) and the main process all shuffle anew each epoch.
+    ``iter()`` returns the pipeline itself: its ``state_dict()`` is what a
+    ``StatefulDataLoader`` snapshots in each worker with every batch.
+    """
+
+    def __init__(self, pipeline: PipelineOrFactory) -> None:
+        super().__init__()
+        if isinstance(pipeline, Node):
+            self._pipeline: Node[Any] | None = pipeline
+            self._factory: Callable[[], Node[Any]] | None = None
+        elif callable(pipeline):
+            self._pipeline, self._factory = None, pipeline
+        else:
+            raise ConfigError(f"PipelineDataset: expected a pipeline or a function building one, got {pipeline!r}")
+        self.epoch = 0
+        # In the process that iterates: (process id, epoch told by set_epoch, epoch started).
+        self._started: tuple[int, int, int] | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch the next ``iter()`` starts (in every worker)."""
+        self.epoch = epoch
+
+    @property
+    def pipeline(self) -> Node[Any]:
+        """This process's pipeline, built on first use when a factory was given."""
+        if self._pipeline is None:
+            built = self._factory()  # type: ignore[misc]
+            if not isinstance(built, Node):
+                raise ConfigError(f"PipelineDataset: the factory returned {type(built).__name__}, not a pipeline")
+            self._pipeline = built
+        return self._pipeline
+
+    def __iter__(self) -> Node[Any]:
+        pipe = self.pipeline
+        pid, started = os.getpid(), self._started
+        if started is None or started[0] != pid or started[1] != self.epoch:
+            epoch = self.epoch
+        else:
+            epoch = started[2] + 1
+        pipe.start_epoch(epoch)
+        self._started = (pid, self.epoch, epoch)
+        return pipe
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        if self._factory is not None:
+            state["_pipeline"] = None  # each process builds its own
+        return state

@@ -1,0 +1,108 @@
+"""A DataLoader whose state covers every worker and restores exactly."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.stateful_dataloader import _ITERATOR_FINISHED
+
+from resumable.errors import ConfigError, StateError
+from resumable.order.topology import distributed_rank
+from resumable.state import check_json, require, require_count
+from resumable.torch.dataset import PipelineDataset, PipelineOrFactory
+
+FORMAT = "format"
+FORMAT_NAME = "resumable.Loader/1"
+EPOCH = "epoch"
+RANK = "rank"
+WORLD_SIZE = "world_size"
+NUM_WORKERS = "num_workers"
+LOADER = "loader"
+
+
+class Loader(StatefulDataLoader):
+    """``torchdata.stateful_dataloader.StatefulDataLoader`` over a pipeline that batches itself.
+
+    Each worker iterates its own partition of the pipeline (``.shard()`` splits by worker).
+    ``state_dict()`` holds, for every worker, the pipeline state as of the last batch *handed
+    to you*: batches prefetched by workers but not yet consumed are produced again after a
+    restore. The state is plain JSON data. Each ``iter()`` that does not follow a
+    ``load_state_dict`` starts a new epoch (a new shuffle order in every worker).
+    """
+
+    def __init__(
+        self,
+        pipeline: PipelineOrFactory | PipelineDataset,
+        num_workers: int = 0,
+        *,
+        collate_fn: Callable[[Any], Any] | None = None,
+        pin_memory: bool = False,
+        timeout: float = 0,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        multiprocessing_context: Any = None,
+        worker_init_fn: Callable[[int], None] | None = None,
+    ) -> None:
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+            raise ConfigError(f"Loader: num_workers must be a non-negative int, got {num_workers!r}")
+        dataset = pipeline if isinstance(pipeline, PipelineDataset) else PipelineDataset(pipeline)
+        super().__init__(
+            dataset,
+            batch_size=None,
+            num_workers=num_workers,
+            collate_fn=collate_fn,
+            pin_memory=pin_memory,
+            timeout=timeout,
+            prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers,
+            multiprocessing_context=multiprocessing_context,
+            worker_init_fn=worker_init_fn,
+            snapshot_every_n_steps=1,
+        )
+        self._epoch = -1  # the epoch being iterated; -1 before the first iter()
+
+    def __iter__(self) -> Any:
+        restored = self.next_iter_state
+        if restored is None or restored.get(_ITERATOR_FINISHED, False):
+            self._epoch += 1  # a new epoch, not the continuation of a restored one
+        self.dataset.set_epoch(max(self._epoch, 0))  # type: ignore[attr-defined]
+        return super().__iter__()
+
+    @property
+    def epoch(self) -> int:
+        return max(self._epoch, 0)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every worker's position as of the last batch handed out, as JSON data."""
+        rank, world_size = distributed_rank()
+        if self._iterator is None and self.next_iter_state is not None:
+            loader_state = self.next_iter_state  # loaded but not iterated yet: nothing moved
+        else:
+            self.dataset.set_epoch(self.epoch)  # type: ignore[attr-defined]
+            loader_state = super().state_dict()
+        state = {
+            FORMAT: FORMAT_NAME,
+            EPOCH: self.epoch,
+            RANK: rank,
+            WORLD_SIZE: world_size,
+            NUM_WORKERS: self.num_workers,
+            LOADER: loader_state,
+        }
+        check_json(state, "Loader")
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Continue exactly after the last batch handed out when ``state_dict`` was taken."""
+        path = "Loader"
+        check_json(state_dict, path)
+        if not isinstance(state_dict, dict) or state_dict.get(FORMAT) != FORMAT_NAME:
+            raise StateError(f"{path}: not a resumable Loader state (format {FORMAT_NAME!r} expected)")
+        rank, world_size = distributed_rank()
+        for key, current in ((RANK, rank), (WORLD_SIZE, world_size), (NUM_WORKERS, self.num_workers)):
+            saved = require(state_dict, key, int, path)
+            if saved != current:
+                raise StateError(f"{path}: state was saved with {key}={saved}, this loader has {key}={current}")
+        epoch = require_count(state_dict, EPOCH, path)
+        self._epoch = epoch
+        super().load_state_dict(require(state_dict, LOADER, dict, path))

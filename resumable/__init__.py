@@ -6,6 +6,7 @@
 """
 
 from resumable import nodes
+from resumable.checkpoint import load_state, save_state
 from resumable.errors import ConfigError, ResumableError, SourceError, StateError
 from resumable.node import IndexedNode, Node
 from resumable.order.topology import Topology
@@ -24,5 +25,7 @@ __all__ = [
     "Topology",
     "from_list",
     "jsonl",
+    "load_state",
     "nodes",
+    "save_state",
 ]

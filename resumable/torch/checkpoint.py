@@ -1,0 +1,21 @@
+"""Trainer checkpoints (model, optimiser, data state) written atomically with torch.save."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from resumable.checkpoint import write_atomically
+
+
+def save(checkpoint: dict[str, Any], path: str | os.PathLike[str]) -> None:
+    """``torch.save`` to a temporary file, fsync, rename: a crash keeps the previous file."""
+    write_atomically(path, lambda out: torch.save(checkpoint, out))
+
+
+def load(path: str | os.PathLike[str], map_location: Any = None) -> dict[str, Any]:
+    """``torch.load`` with ``weights_only=True``: tensors and plain data, nothing unpickled."""
+    loaded = torch.load(path, map_location=map_location, weights_only=True)
+    return loaded  # type: ignore[no-any-return]

@@ -28,8 +28,21 @@ class Topology:
         return self.world_size * self.num_workers
 
 
+# The rank of the process that started this DataLoader worker: torch.distributed is not
+# initialised inside workers, so the parent's rank is handed down (see inherit_rank).
+_inherited_rank: tuple[int, int] | None = None
+
+
+def inherit_rank(rank: int, world_size: int) -> None:
+    """Record, in a DataLoader worker, the rank of the process that started it."""
+    global _inherited_rank
+    check_rank(rank, world_size, "inherited rank")
+    _inherited_rank = (rank, world_size)
+
+
 def distributed_rank() -> tuple[int, int]:
-    """``(rank, world_size)`` from an initialised torch.distributed, else RANK/WORLD_SIZE, else (0, 1).
+    """``(rank, world_size)`` from an initialised torch.distributed, else the rank a DataLoader
+    worker inherited from its parent, else RANK/WORLD_SIZE, else (0, 1).
 
     torch is only consulted if already imported: if it is not, neither a process group nor a
     DataLoader worker can exist, and importing it would cost a second at start-up.
@@ -39,6 +52,8 @@ def distributed_rank() -> tuple[int, int]:
         dist = torch.distributed
         if dist.is_available() and dist.is_initialized():
             return dist.get_rank(), dist.get_world_size()
+    if _inherited_rank is not None:
+        return _inherited_rank
     rank_text, world_text = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
     if rank_text is None and world_text is None:
         return 0, 1

@@ -5,10 +5,11 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Union
 
-from torch.utils.data import IterableDataset
+from torch.utils.data import IterableDataset, get_worker_info
 
 from resumable.errors import ConfigError
 from resumable.node import Node
+from resumable.order.topology import distributed_rank, inherit_rank
 
 PipelineOrFactory = Union[Node[Any], Callable[[], Node[Any]]]
 
@@ -16,6 +17,9 @@ PipelineOrFactory = Union[Node[Any], Callable[[], Node[Any]]]
 class PipelineDataset(IterableDataset):  # type: ignore[type-arg]
     """Each DataLoader worker iterates its own copy of the pipeline, which reads a disjoint
     partition: ``.shard()`` resolves ``rank * num_workers + worker`` inside the worker.
+
+    The rank is read in the main process (torch.distributed is not initialised inside
+    workers) when the dataset is built and at each ``set_epoch``, and handed to the workers.
 
     Epochs: the first ``iter()`` in a process starts epoch ``epoch`` (set in the main process
     before workers start, by ``rs.torch.Loader`` or by ``set_epoch``); each later ``iter()``
@@ -35,12 +39,14 @@ class PipelineDataset(IterableDataset):  # type: ignore[type-arg]
         else:
             raise ConfigError(f"PipelineDataset: expected a pipeline or a function building one, got {pipeline!r}")
         self.epoch = 0
+        self.rank = distributed_rank()
         # In the process that iterates: (process id, epoch told by set_epoch, epoch started).
         self._started: tuple[int, int, int] | None = None
 
     def set_epoch(self, epoch: int) -> None:
-        """The epoch the next ``iter()`` starts (in every worker)."""
+        """The epoch the next ``iter()`` starts (in every worker); also re-reads the rank."""
         self.epoch = epoch
+        self.rank = distributed_rank()
 
     @property
     def pipeline(self) -> Node[Any]:
@@ -53,6 +59,8 @@ class PipelineDataset(IterableDataset):  # type: ignore[type-arg]
         return self._pipeline
 
     def __iter__(self) -> Node[Any]:
+        if get_worker_info() is not None:
+            inherit_rank(*self.rank)
         pipe = self.pipeline
         pid, started = os.getpid(), self._started
         if started is None or started[0] != pid or started[1] != self.epoch:

@@ -1,4 +1,4 @@
-"""Command line: ``python -m resumable index PATHS...``."""
+"""Command line: ``python -m resumable index PATHS...`` and ``python -m resumable inspect STATE``."""
 
 from __future__ import annotations
 
@@ -23,6 +23,13 @@ def build_parser() -> argparse.ArgumentParser:
     index.add_argument("paths", nargs="+", help="JSONL files or globs (quote globs to keep the order sorted)")
     index.add_argument("--cache-dir", help="where to keep indices when the data directory is read-only")
     index.add_argument("--quiet", action="store_true", help="no progress bar")
+    inspect = commands.add_parser(
+        "inspect",
+        help="summarise a saved state: epoch, position and progress per rank and worker, files, buffers",
+        description="Print a saved state readably. STATE is a state or checkpoint file (JSON or torch), "
+        "a directory of per-rank state files, or a torch.distributed.checkpoint directory.",
+    )
+    inspect.add_argument("state", help="state file or directory")
     return parser
 
 
@@ -48,6 +55,11 @@ def index_files(paths: Sequence[str], cache_dir: str | None, quiet: bool) -> int
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "inspect":
+            from resumable.inspect import describe
+
+            print(describe(args.state))
+            return 0
         return index_files(args.paths, args.cache_dir, args.quiet)
     except ResumableError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -49,6 +49,7 @@ RecordKey = tuple[int, int]
 
 EPOCH = "epoch"
 POSITION = "position"
+LENGTH = "length"
 
 # The cursor reads records in chunks that start small (a fast first record after a resume)
 # and double up to a size that amortises per-chunk work.
@@ -412,10 +413,13 @@ class IndexedNode(Node[T]):
         self._ended = False
 
     def _progress(self) -> dict[str, Any]:
-        return {EPOCH: self._epoch, POSITION: self.position}
+        return {EPOCH: self._epoch, POSITION: self.position, LENGTH: len(self)}
 
     def _restore(self, state: dict[str, Any], path: str) -> None:
+        length = require_count(state, LENGTH, path)
+        if length != len(self):
+            raise StateError(f"{path}: state was saved over {length} records, this pipeline has {len(self)}")
         epoch = require_count(state, EPOCH, path)
-        position = require_count(state, POSITION, path, upper=len(self))
+        position = require_count(state, POSITION, path, upper=length)
         self._epoch = epoch
         self._reset_cursor(position)

@@ -39,6 +39,7 @@ def test_shuffle_state_is_the_cursor_only() -> None:
         "seed": 1,
         "epoch": 0,
         "position": 1,
+        "length": 10**6,
         "ended": False,
         "upstream": {"kind": "FromList", "version": 1, "length": 10**6},
     }

@@ -42,6 +42,7 @@ def test_state_is_plain_json_with_kind_and_version() -> None:
         (lambda s: s.update(batch_size=3), r"^Batch: state was saved with batch_size=3"),
         (lambda s: s["upstream"]["upstream"]["upstream"].update(seed=2), r"^Batch > Filter > IndexedMap > Shuffle: .*seed=2"),
         (lambda s: s["upstream"]["upstream"].update(position=10**6), r"IndexedMap: state entry 'position' is 1000000"),
+        (lambda s: s["upstream"]["upstream"].update(length=7), r"IndexedMap: state was saved over 7 records, this pipeline has 50"),
         (lambda s: s["upstream"]["upstream"].update(position=-1), r"'position' is -1"),
         (lambda s: s["upstream"]["upstream"].update(epoch="0"), r"'epoch' is '0', expected int"),
         (lambda s: s["upstream"]["upstream"].update(epoch=True), r"'epoch' is True, expected int"),

@@ -1,0 +1,189 @@
+"""Readable summaries of saved states: ``python -m resumable inspect STATE``.
+
+Finds every pipeline state inside a state file (a pipeline or ``rs.torch.Loader`` state in
+JSON, a torch checkpoint, a ``torch.distributed.checkpoint`` directory, or a directory of
+per-rank files) and prints, per rank and DataLoader worker, the epoch, position and progress,
+then the options and counters of every node, and the files involved.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from resumable.errors import StateError
+from resumable.state import ENDED, KIND, UPSTREAM, VERSION
+
+CURSOR_KEYS = ("epoch", "position", "length")
+LOADER_FORMAT = "resumable.Loader/1"
+WORKER_PREFIX = "worker_"
+
+
+@dataclass
+class Found:
+    """One pipeline state and where it sits: source file, rank, worker."""
+
+    source: str
+    rank: int | None
+    world_size: int | None
+    worker: int | None
+    num_workers: int | None
+    state: dict[str, Any]
+
+
+def load_any(path: str) -> list[tuple[str, Any]]:
+    """The saved objects at ``path``: ``(label, object)`` pairs."""
+    if os.path.isdir(path):
+        if os.path.exists(os.path.join(path, ".metadata")):
+            return [(path, _load_dcp(path))]
+        names = sorted(n for n in os.listdir(path) if n.endswith((".json", ".pt")))
+        if not names:
+            raise StateError(f"{path}: no .json or .pt state files in this directory")
+        return [item for name in names for item in load_any(os.path.join(path, name))]
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(1)
+    except OSError as error:
+        raise StateError(f"{path}: cannot read: {error}") from error
+    if head in (b"{", b"["):
+        with open(path, "rb") as handle:
+            return [(path, json.loads(handle.read()))]
+    import torch
+
+    return [(path, torch.load(path, weights_only=True, map_location="cpu"))]
+
+
+def _load_dcp(path: str) -> Any:
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        target = os.path.join(tmp, "state.pt")
+        dcp_to_torch_save(path, target)
+        return torch.load(target, weights_only=True, map_location="cpu")
+
+
+def find_states(source: str, obj: Any) -> Iterator[Found]:
+    """Every pipeline state inside ``obj``, with rank and worker when a Loader state holds it."""
+    if isinstance(obj, str) and obj.startswith("{"):
+        try:
+            obj = json.loads(obj)  # rs.torch.PerRank stores states as JSON strings
+        except ValueError:
+            return
+    if isinstance(obj, dict) and KIND in obj and VERSION in obj:
+        yield Found(source, None, None, None, None, obj)
+    elif isinstance(obj, dict) and obj.get("format") == LOADER_FORMAT:
+        yield from _loader_states(source, obj)
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from find_states(source, value)
+    elif isinstance(obj, list):
+        for value in obj:
+            yield from find_states(source, value)
+
+
+def _loader_states(source: str, loader: dict[str, Any]) -> Iterator[Found]:
+    rank, world_size, num_workers = loader.get("rank"), loader.get("world_size"), loader.get("num_workers")
+    workers = loader.get("loader", {}).get("_snapshot", {}).get("_worker_snapshots", {})
+    if workers:
+        for key in sorted(workers, key=lambda k: int(k[len(WORKER_PREFIX) :])):
+            for found in find_states(source, workers[key]):
+                found.rank, found.world_size = rank, world_size
+                found.worker, found.num_workers = int(key[len(WORKER_PREFIX) :]), num_workers
+                yield found
+        return
+    for found in find_states(source, loader.get("loader", {})):
+        found.rank, found.world_size, found.worker, found.num_workers = rank, world_size, 0, num_workers
+        yield found
+
+
+def chain(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """The node states from the outermost to the source."""
+    nodes = []
+    node: Any = state
+    while isinstance(node, dict):
+        nodes.append(node)
+        node = node.get(UPSTREAM)
+    return nodes
+
+
+def describe(path: str) -> str:
+    """The report printed by ``python -m resumable inspect PATH``."""
+    found = [f for source, obj in load_any(path) for f in find_states(source, obj)]
+    if not found:
+        raise StateError(f"{path}: no resumable state found")
+    lines = [f"{path}: {len(found)} pipeline state{'s' if len(found) != 1 else ''}"]
+    lines.append("pipeline: " + " > ".join(node[KIND] for node in chain(found[0].state)))
+    lines.append("")
+    lines.extend(_progress_table(found))
+    for item in found:
+        details = _node_details(item.state)
+        if details:
+            lines.append("")
+            lines.append(f"{_consumer_label(item)}:")
+            lines.extend(details)
+    lines.extend(_files(found[0].state))
+    return "\n".join(lines)
+
+
+def _consumer_label(item: Found) -> str:
+    parts = []
+    if item.rank is not None:
+        parts.append(f"rank {item.rank}/{item.world_size}")
+    if item.worker is not None:
+        parts.append(f"worker {item.worker}/{item.num_workers}")
+    return ", ".join(parts) or os.path.basename(item.source)
+
+
+def _progress_table(found: list[Found]) -> list[str]:
+    header = f"{'consumer':<28}{'epoch':>7}{'position':>12}{'length':>12}{'progress':>10}  ended"
+    rows = [header, "-" * len(header)]
+    for item in found:
+        cursor = next((node for node in chain(item.state) if "position" in node), None)
+        ended = "yes" if item.state.get(ENDED) else "no"
+        if cursor is None:
+            rows.append(f"{_consumer_label(item):<28}{'-':>7}{'-':>12}{'-':>12}{'-':>10}  {ended}")
+            continue
+        length = cursor.get("length", 0)
+        progress = f"{100 * cursor['position'] / length:.1f}%" if length else "-"
+        rows.append(
+            f"{_consumer_label(item):<28}{cursor['epoch']:>7}{cursor['position']:>12,}{length:>12,}{progress:>10}  {ended}"
+        )
+    return rows
+
+
+def _node_details(state: dict[str, Any]) -> list[str]:
+    """Options and counters of each node, lists summarised by their length."""
+    lines = []
+    for node in chain(state):
+        fields = []
+        for key, value in node.items():
+            if key in (KIND, VERSION, UPSTREAM, ENDED, "files", *CURSOR_KEYS):
+                continue
+            if isinstance(value, list):
+                fields.append(f"{key}: {len(value)} entries")
+            elif isinstance(value, dict):
+                fields.append(f"{key}: {{{', '.join(sorted(value))}}}")
+            else:
+                fields.append(f"{key}={value}")
+        if fields:
+            lines.append(f"  {node[KIND]}: " + ", ".join(fields))
+    return lines
+
+
+def _files(state: dict[str, Any]) -> list[str]:
+    lines = []
+    for node in chain(state):
+        files = node.get("files")
+        if not isinstance(files, list):
+            continue
+        lines.append("")
+        lines.append(f"files of {node[KIND]} ({len(files)}):")
+        for name, size, mtime_ns in files:
+            when = datetime.datetime.fromtimestamp(mtime_ns / 1e9, tz=datetime.timezone.utc)
+            lines.append(f"  {name}  {size / 1e6:,.1f} MB  modified {when:%Y-%m-%d %H:%M:%S} UTC")
+    return lines

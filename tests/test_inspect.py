@@ -1,0 +1,77 @@
+"""python -m resumable inspect: readable summaries of saved states."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch.distributed.checkpoint as dcp
+
+import resumable as rs
+import resumable.torch as rst
+from resumable.cli import main
+from resumable.inspect import describe
+from tests.resume import take
+
+
+def source(tmp_path: Path) -> str:
+    path = tmp_path / "docs.jsonl"
+    if not path.exists():
+        path.write_text("".join(f'{{"id": {i}}}\n' for i in range(120)))
+    return str(path)
+
+
+def build(tmp_path: Path) -> rs.Node:
+    return rs.jsonl(source(tmp_path)).shuffle(2).shard(1, 2).map(lambda r: r["id"]).filter(lambda x: x % 4).batch(3)
+
+
+def test_pipeline_state_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pipe = build(tmp_path)
+    take(pipe, 5)
+    rs.save_state(pipe.get_state(), tmp_path / "state.json")
+    assert main(["inspect", str(tmp_path / "state.json")]) == 0
+    out = capsys.readouterr().out
+    assert "pipeline: Batch > Filter > IndexedMap > Shard > Shuffle > JsonlSource" in out
+    position = pipe.get_state()["upstream"]["upstream"]["position"]
+    row = next(line for line in out.splitlines() if line.startswith("state.json"))
+    assert row.split()[1:5] == ["0", str(position), "60", f"{100 * position / 60:.1f}%"]
+    assert "Filter: dropped=" in out and "Shard: rank=1, world_size=2" in out
+    assert "docs.jsonl" in out and "files of JsonlSource (1)" in out
+
+
+def test_loader_state_lists_every_worker(tmp_path: Path) -> None:
+    def pipeline() -> rs.Node:
+        return build(tmp_path).upstream.batch(3, collate_fn=np.array)
+
+    loader = rst.Loader(pipeline, num_workers=2)
+    iterator = iter(loader)
+    for _ in range(4):
+        next(iterator)
+    rs.save_state(loader.state_dict(), tmp_path / "loader.json")
+    out = describe(str(tmp_path / "loader.json"))
+    assert "2 pipeline states" in out
+    assert "rank 0/1, worker 0/2" in out and "rank 0/1, worker 1/2" in out
+
+
+def test_directory_of_rank_files_torch_checkpoint_and_dcp(tmp_path: Path) -> None:
+    pipe = build(tmp_path)
+    take(pipe, 2)
+    states = tmp_path / "states"
+    states.mkdir()
+    rs.save_state(pipe.get_state(), states / "rank0.json")
+    rs.save_state(pipe.get_state(), states / "rank1.json")
+    assert describe(str(states)).startswith(f"{states}: 2 pipeline states")
+
+    rst.save({"step": 7, "data": pipe.get_state()}, tmp_path / "ckpt.pt")
+    assert "Shuffle: seed=2" in describe(str(tmp_path / "ckpt.pt"))
+
+    dcp.save({"data": rst.PerRank(pipe)}, checkpoint_id=str(tmp_path / "dcp"))
+    assert "pipeline: Batch > Filter" in describe(str(tmp_path / "dcp"))
+
+
+def test_not_a_state(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "other.json").write_text('{"lr": 0.1}')
+    assert main(["inspect", str(tmp_path / "other.json")]) == 2
+    assert "no resumable state found" in capsys.readouterr().err
+    assert main(["inspect", str(tmp_path / "missing.json")]) == 2

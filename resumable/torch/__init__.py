@@ -5,6 +5,17 @@ from resumable.order.topology import dataloader_worker, distributed_rank
 from resumable.torch.checkpoint import load, save
 from resumable.torch.dataset import PipelineDataset
 from resumable.torch.distributed import PerRank
+from resumable.torch.tdnodes import FromTorchdata, ToTorchdata
 from resumable.torch.loader import Loader
 
-__all__ = ["Loader", "PerRank", "PipelineDataset", "dataloader_worker", "distributed_rank", "load", "save"]
+__all__ = [
+    "FromTorchdata",
+    "Loader",
+    "PerRank",
+    "PipelineDataset",
+    "ToTorchdata",
+    "dataloader_worker",
+    "distributed_rank",
+    "load",
+    "save",
+]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import signal
+import warnings
 from typing import Any, Callable
 
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -29,6 +32,11 @@ class Loader(StatefulDataLoader):
     to you*: batches prefetched by workers but not yet consumed are produced again after a
     restore. The state is plain JSON data. Each ``iter()`` that does not follow a
     ``load_state_dict`` starts a new epoch (a new shuffle order in every worker).
+
+    Workers ignore SIGTERM (``workers_ignore_sigterm``): a scheduler that preempts a job sends
+    it to every process, and the trainer, not its workers, decides when to stop, typically
+    after saving a checkpoint. Workers still exit when the loader shuts them down or when
+    the trainer process dies.
     """
 
     def __init__(
@@ -43,23 +51,28 @@ class Loader(StatefulDataLoader):
         persistent_workers: bool = False,
         multiprocessing_context: Any = None,
         worker_init_fn: Callable[[int], None] | None = None,
+        workers_ignore_sigterm: bool = True,
     ) -> None:
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
             raise ConfigError(f"Loader: num_workers must be a non-negative int, got {num_workers!r}")
         dataset = pipeline if isinstance(pipeline, PipelineDataset) else PipelineDataset(pipeline)
-        super().__init__(
-            dataset,
-            batch_size=None,
-            num_workers=num_workers,
-            collate_fn=collate_fn,
-            pin_memory=pin_memory,
-            timeout=timeout,
-            prefetch_factor=prefetch_factor,
-            persistent_workers=persistent_workers,
-            multiprocessing_context=multiprocessing_context,
-            worker_init_fn=worker_init_fn,
-            snapshot_every_n_steps=1,
-        )
+        if workers_ignore_sigterm:
+            worker_init_fn = functools.partial(_init_worker, worker_init_fn)
+        with warnings.catch_warnings():  # torchdata calls a deprecated torch function here
+            warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+            super().__init__(
+                dataset,
+                batch_size=None,
+                num_workers=num_workers,
+                collate_fn=collate_fn,
+                pin_memory=pin_memory,
+                timeout=timeout,
+                prefetch_factor=prefetch_factor,
+                persistent_workers=persistent_workers,
+                multiprocessing_context=multiprocessing_context,
+                worker_init_fn=worker_init_fn,
+                snapshot_every_n_steps=1,
+            )
         self._epoch = -1  # the epoch being iterated; -1 before the first iter()
 
     def __iter__(self) -> Any:
@@ -106,3 +119,9 @@ class Loader(StatefulDataLoader):
         epoch = require_count(state_dict, EPOCH, path)
         self._epoch = epoch
         super().load_state_dict(require(state_dict, LOADER, dict, path))
+
+
+def _init_worker(user_init: Callable[[int], None] | None, worker_id: int) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if user_init is not None:
+        user_init(worker_id)

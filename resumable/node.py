@@ -154,13 +154,13 @@ class Node(Generic[T]):
         """Continue exactly after the item at which ``state`` was taken.
 
         Raises ``StateError`` naming the node's path if the state belongs to another pipeline,
-        version or data; the node is then left as it was.
+        version or data. Whatever fails, the node is left as it was.
         """
         check_json(state, self.kind)
         previous = self.get_state()
         try:
             self._load(state, self.kind)
-        except StateError:
+        except Exception:
             self._load(previous, self.kind)
             raise
 

@@ -7,6 +7,7 @@ from resumable.ops.map import IndexedMap, Map
 from resumable.ops.repeat import Repeat
 from resumable.order.shard import Shard
 from resumable.order.shuffle import Shuffle
+from resumable.pack.node import Pack
 from resumable.sources.jsonl import JsonlSource
 from resumable.sources.memory import FromList
 from resumable.sources.source import Source
@@ -20,6 +21,7 @@ __all__ = [
     "JsonlSource",
     "Map",
     "Node",
+    "Pack",
     "Repeat",
     "Shard",
     "Shuffle",

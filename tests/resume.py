@@ -15,12 +15,18 @@ from resumable import Node
 Build = Callable[[], Node[Any]]
 
 
+# A pipeline that yields nothing for this many epochs in a row is taken to be empty. Some
+# epochs of a small shard after a filter may be empty, but never this many in a row, so
+# where a run is cut into calls does not change what it yields.
+EMPTY_EPOCHS = 50
+
+
 def take(pipe: Node[Any], count: int) -> list[Any]:
     """The next ``count`` items, starting new epochs as a training loop would; fewer if the
-    pipeline yields nothing for two epochs in a row."""
+    pipeline is empty (``EMPTY_EPOCHS`` empty epochs in a row)."""
     items: list[Any] = []
     empty_epochs = 0
-    while len(items) < count and empty_epochs < 2:
+    while len(items) < count and empty_epochs < EMPTY_EPOCHS:
         before = len(items)
         for item in pipe:
             items.append(item)

@@ -37,13 +37,15 @@ INPUT_FIELD = "input_field"
 LABELS_FIELD = "labels_field"
 PAD_TOKEN_ID = "pad_token_id"
 
-# Progress of a streaming packer.
+# Progress of a streaming packer: piece references, flat, and how many of them form each group.
 OPEN = "open"
+OPEN_SIZES = "open_sizes"
 READY = "ready"
+READY_SIZES = "ready_sizes"
 SPAN = "span"
 EXHAUSTED = "exhausted"
-# Progress of a whole-epoch plan (``strategy="bfd"`` without ``buffer_size``).
-EPOCH = "epoch"
+# Progress of a whole-epoch plan (``strategy="bfd"`` without ``buffer_size``); the epoch is the
+# indexed upstream's, saved in its state.
 EMITTED = "emitted"
 # Counters, in both modes.
 STATS = "stats"
@@ -92,31 +94,47 @@ class PackStats:
 
 
 class Piece(NamedTuple):
-    """Tokens ``[start, end)`` of the record with key ``(epoch, position)``."""
+    """Tokens ``[start, end)`` of a buffered record, and its reference for the state."""
 
-    epoch: int
-    position: int
     start: int
     end: int
     tokens: np.ndarray
     labels: np.ndarray | None
+    ref: list[int]  # [epoch, position, start, end], built once: get_state shares it, nothing changes it
 
-    def ref(self) -> list[int]:
-        """The piece as saved in a state."""
-        return [self.epoch, self.position, self.start, self.end]
+    @property
+    def key(self) -> RecordKey:
+        return (self.ref[0], self.ref[1])
 
     def segment(self) -> Segment:
         return Segment(self.tokens, self.labels, self.start, self.end)
 
 
-class Plan(NamedTuple):
-    """A whole epoch packed ahead: pieces by index, and rows of piece indices in output order."""
+def _piece(epoch: int, position: int, start: int, end: int, tokens: np.ndarray, labels: np.ndarray | None) -> Piece:
+    return Piece(start, end, tokens, labels, [epoch, position, start, end])
 
-    positions: list[int]
-    starts: list[int]
-    ends: list[int]
-    rows: list[Row]
+
+class Plan(NamedTuple):
+    """A whole epoch packed ahead, in numpy arrays (about 40 bytes per piece).
+
+    Piece ``i`` is tokens ``[starts[i], ends[i])`` of the record at ``positions[i]``; row ``r``
+    holds pieces ``order[bounds[r]:bounds[r + 1]]``.
+    """
+
+    positions: np.ndarray
+    starts: np.ndarray
+    ends: np.ndarray
+    order: np.ndarray
+    bounds: np.ndarray
     counts: dict[str, int]
+
+    @property
+    def rows(self) -> int:
+        return len(self.bounds) - 1
+
+    def row(self, index: int) -> list[int]:
+        """The pieces of row ``index``."""
+        return self.order[self.bounds[index] : self.bounds[index + 1]].tolist()  # type: ignore[no-any-return]
 
 
 class Pack(Node[dict[str, np.ndarray]]):
@@ -209,10 +227,6 @@ class Pack(Node[dict[str, np.ndarray]]):
             mask_first_token=mask_first_token,
             continue_positions=split_positions == "continue",
         )
-        if self._whole_epoch:
-            # The plan reads the upstream by random access: only its configuration is saved.
-            self._upstream_progress = False
-        self._epoch = 0
         self._reset()
 
     def _reset(self) -> None:
@@ -223,6 +237,7 @@ class Pack(Node[dict[str, np.ndarray]]):
         self._ready: deque[Row] = deque()
         self._span: Piece | None = None
         self._exhausted = False
+        self._barren: int | None = None  # epoch where the current run of documents without tokens began
         self._counts = dict.fromkeys(COUNTERS, 0)
         self._plan: Plan | None = None
         self._emitted = 0
@@ -248,12 +263,10 @@ class Pack(Node[dict[str, np.ndarray]]):
         if self._whole_epoch:
             if self._plan is None:
                 return []
-            plan = self._plan
-            keys = (
-                (self._epoch, plan.positions[index]) for row in plan.rows[self._emitted :] for index in row
-            )
-            return list(dict.fromkeys(keys))
-        return list(dict.fromkeys((piece.epoch, piece.position) for piece in self._buffered()))
+            plan, epoch = self._plan, self._plan_epoch()
+            positions = plan.positions[plan.order[plan.bounds[self._emitted] :]].tolist()
+            return [(epoch, position) for position in dict.fromkeys(positions)]
+        return list(dict.fromkeys(piece.key for piece in self._buffered()))
 
     def _buffered(self) -> Iterator[Piece]:
         pieces = self._pieces
@@ -297,13 +310,28 @@ class Pack(Node[dict[str, np.ndarray]]):
         epoch, position = key
         tokens, labels = self._read(record, key)
         full, end = self._cut(len(tokens), self._counts)
+        if not end:
+            self._check_barren(epoch)
+            return
+        self._barren = None
         if full:
-            self._span = Piece(epoch, position, 0, full, tokens, labels)
+            self._span = _piece(epoch, position, 0, full, tokens, labels)
         if end > full:
             item = self._next_id
             self._next_id = item + 1
-            self._pieces[item] = Piece(epoch, position, full, end, tokens, labels)
+            self._pieces[item] = _piece(epoch, position, full, end, tokens, labels)
             self._ready.extend(self._packer.add(item, end - full))
+
+    def _check_barren(self, epoch: int) -> None:
+        """Fail instead of spinning forever when a whole upstream epoch gives no tokens (every
+        document empty or dropped): after ``repeat()`` no row would ever come."""
+        if self._barren is None:
+            self._barren = epoch
+        elif epoch > self._barren + 1:
+            raise SourceError(
+                f"{self.kind}: no document of epoch {self._barren + 1} has tokens to pack (all are empty"
+                f"{' or dropped as longer than seq_len' if self.overlong == 'drop' else ''}), so no row can come"
+            )
 
     def _cut(self, length: int, counts: dict[str, int]) -> tuple[int, int]:
         """Apply the overlong policy to a document of ``length`` tokens and count it.
@@ -368,11 +396,11 @@ class Pack(Node[dict[str, np.ndarray]]):
 
     def _emit_span(self) -> dict[str, np.ndarray]:
         """The next whole row of a long document."""
-        span = self._span
-        stop = span.start + self.seq_len  # type: ignore[union-attr]
-        self._span = span._replace(start=stop) if stop < span.end else None  # type: ignore[union-attr]
+        span: Piece = self._span  # type: ignore[assignment]
+        stop = span.start + self.seq_len
+        self._span = _piece(*span.key, stop, span.end, span.tokens, span.labels) if stop < span.end else None
         self._counts[ROWS] += 1
-        return self._format.build([Segment(span.tokens, span.labels, span.start, stop)])  # type: ignore[union-attr]
+        return self._format.build([Segment(span.tokens, span.labels, span.start, stop)])
 
     def _emit(self, row: Row) -> dict[str, np.ndarray]:
         pieces = self._pieces
@@ -389,18 +417,23 @@ class Pack(Node[dict[str, np.ndarray]]):
 
     def _next_planned(self) -> dict[str, np.ndarray]:
         if self._plan is None:
-            self._plan = self._make_plan(self._epoch)
+            self._plan = self._make_plan(self._plan_epoch())
             self._counts.update(self._plan.counts)
         plan = self._plan
-        if self._emitted == len(plan.rows):
+        if self._emitted == plan.rows:
             raise StopIteration
         segments = []
-        for index in plan.rows[self._emitted]:
-            tokens, labels = self._fetch_cached((self._epoch, plan.positions[index]))
-            segments.append(Segment(tokens, labels, plan.starts[index], plan.ends[index]))
+        epoch = self._plan_epoch()
+        for index in plan.row(self._emitted):
+            tokens, labels = self._fetch_cached((epoch, int(plan.positions[index])))
+            segments.append(Segment(tokens, labels, int(plan.starts[index]), int(plan.ends[index])))
         self._emitted += 1
         self._count_row(segments)
         return self._format.build(segments)
+
+    def _plan_epoch(self) -> int:
+        """The epoch a whole-epoch plan packs: the indexed upstream's (it is never iterated)."""
+        return self.upstream.epoch  # type: ignore[union-attr]
 
     def _fetch_cached(self, key: RecordKey) -> tuple[np.ndarray, np.ndarray | None]:
         """A record's arrays; the last one is kept, as a long document's rows come in a row."""
@@ -413,33 +446,35 @@ class Pack(Node[dict[str, np.ndarray]]):
         upstream = self.upstream
         seq_len = self.seq_len
         counts = dict.fromkeys(DOCUMENT_COUNTERS, 0)
-        positions: list[int] = []
-        starts: list[int] = []
-        ends: list[int] = []
+        kept: list[tuple[int, int, int]] = []  # (position, full, end) of documents with tokens
         for position in range(len(upstream)):  # type: ignore[arg-type]
             key = (epoch, position)
             tokens, _ = self._read(upstream.fetch(key), key)  # type: ignore[union-attr]
             full, end = self._cut(len(tokens), counts)
-            cuts = list(range(0, full + 1, seq_len)) if full else [0]
-            if end > full:
-                cuts.append(end)
-            for start, stop in zip(cuts, cuts[1:]):
-                positions.append(position)
-                starts.append(start)
-                ends.append(stop)
-        lengths = np.array(ends, dtype=np.int64) - np.array(starts, dtype=np.int64)
+            if end:
+                kept.append((position, full, end))
+        documents = np.array(kept, dtype=np.int64).reshape(-1, 3)
+        # A document gives full // seq_len whole rows, then its tail if any: piece r starts at r * seq_len.
+        pieces = documents[:, 1] // seq_len + (documents[:, 2] > documents[:, 1])
+        first = np.repeat(np.cumsum(pieces) - pieces, pieces)
+        starts = (np.arange(int(pieces.sum()), dtype=np.int64) - first) * seq_len
+        ends = np.minimum(starts + seq_len, np.repeat(documents[:, 2], pieces))
+        positions = np.repeat(documents[:, 0], pieces)
+
+        lengths = ends - starts
         packed = np.flatnonzero(lengths < seq_len)
-        rows = [[int(index)] for index in np.flatnonzero(lengths == seq_len)]
+        rows = [[index] for index in np.flatnonzero(lengths == seq_len).tolist()]
         for row in best_fit_decreasing(lengths[packed], seq_len, self.max_documents):
-            rows.append([int(packed[i]) for i in row])
+            rows.append(packed[row].tolist())
         rows.sort(key=lambda row: row[0])  # the order of the (shuffled) upstream
-        return Plan(positions, starts, ends, rows, counts)
+        order = np.fromiter((index for row in rows for index in row), dtype=np.int64, count=len(lengths))
+        bounds = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum([len(row) for row in rows], out=bounds[1:])
+        return Plan(positions, starts, ends, order, bounds, counts)
 
     # -- epochs and state --------------------------------------------------------------------
 
-    def next_epoch(self) -> None:
-        super().next_epoch()
-        self._epoch += 1
+    def _on_epoch_start(self) -> None:
         self._reset()
 
     def _config(self) -> dict[str, Any]:
@@ -458,12 +493,15 @@ class Pack(Node[dict[str, np.ndarray]]):
 
     def _progress(self) -> dict[str, Any]:
         if self._whole_epoch:
-            return {EPOCH: self._epoch, EMITTED: self._emitted, STATS: dict(self._counts)}
+            return {EMITTED: self._emitted, STATS: dict(self._counts)}
         pieces = self._pieces
+        groups = self._packer.groups()
         return {
-            OPEN: [[pieces[item].ref() for item in group] for group in self._packer.groups()],
-            READY: [[pieces[item].ref() for item in row] for row in self._ready],
-            SPAN: self._span.ref() if self._span is not None else [],
+            OPEN: [pieces[item].ref for group in groups for item in group],
+            OPEN_SIZES: [len(group) for group in groups],
+            READY: [pieces[item].ref for row in self._ready for item in row],
+            READY_SIZES: [len(row) for row in self._ready],
+            SPAN: self._span.ref if self._span is not None else [],
             EXHAUSTED: self._exhausted,
             STATS: dict(self._counts),
         }
@@ -474,8 +512,8 @@ class Pack(Node[dict[str, np.ndarray]]):
         if self._whole_epoch:
             self._restore_plan(state, path, counts)
             return
-        open_groups = _require_lists(state, OPEN, path)
-        ready_rows = _require_lists(state, READY, path)
+        open_groups = _grouped(state, OPEN, OPEN_SIZES, path)
+        ready_rows = _grouped(state, READY, READY_SIZES, path)
         span_ref = require(state, SPAN, list, path)
         exhausted = require(state, EXHAUSTED, bool, path)
 
@@ -515,17 +553,17 @@ class Pack(Node[dict[str, np.ndarray]]):
 
     def _restore_plan(self, state: dict[str, Any], path: str, counts: dict[str, int]) -> None:
         """Plan the saved epoch again (one pass over its records) and skip the rows handed out."""
-        epoch = require_count(state, EPOCH, path)
+        epoch = self._plan_epoch()
         emitted = require_count(state, EMITTED, path)
         try:
             plan = self._make_plan(epoch)
         except (IndexError, ResumableError) as exc:
             raise StateError(f"{path}: cannot plan epoch {epoch} again: {exc}") from exc
-        if emitted > len(plan.rows):
-            raise StateError(f"{path}: state has {emitted} rows handed out, the epoch's plan has {len(plan.rows)}")
+        if emitted > plan.rows:
+            raise StateError(f"{path}: state has {emitted} rows handed out, the epoch's plan has {plan.rows}")
         self._reset()
         counts.update(plan.counts)
-        self._epoch, self._emitted, self._plan, self._counts = epoch, emitted, plan, counts
+        self._emitted, self._plan, self._counts = emitted, plan, counts
 
 
 class _Refetcher:
@@ -554,7 +592,9 @@ class _Refetcher:
             try:
                 arrays = pack._read(pack.upstream.fetch(key), key)  # type: ignore[union-attr]
             except (IndexError, ResumableError) as exc:
-                raise StateError(f"{path}: the buffered record {_key_text(key)} cannot be fetched again: {exc}") from exc
+                raise StateError(
+                    f"{path}: the buffered record {_key_text(key)} cannot be fetched again: {exc}"
+                ) from exc
             self._records[key] = arrays
         tokens, labels = arrays
         if not start < end <= len(tokens):
@@ -562,16 +602,22 @@ class _Refetcher:
                 f"{path}: {where} entry {entry} is outside record {_key_text(key)} of {len(tokens)} tokens "
                 "(did the data change?)"
             )
-        return Piece(epoch, position, start, end, tokens, labels)
+        return _piece(epoch, position, start, end, tokens, labels)
 
 
-def _require_lists(state: Mapping[str, Any], key: str, path: str) -> list[list[Any]]:
-    """A list of lists (groups or rows of piece references)."""
-    value = require(state, key, list, path)
-    for group in value:
-        if not isinstance(group, list):
-            raise StateError(f"{path}: state entry {key!r} holds {group!r}, expected lists of pieces")
-    return value
+def _grouped(state: Mapping[str, Any], key: str, sizes_key: str, path: str) -> list[list[Any]]:
+    """The piece references under ``key``, cut into groups by the counts under ``sizes_key``."""
+    entries = require(state, key, list, path)
+    sizes = require(state, sizes_key, list, path)
+    if any(isinstance(size, bool) or not isinstance(size, int) or size < 0 for size in sizes):
+        raise StateError(f"{path}: state entry {sizes_key!r} is {sizes!r}, expected counts >= 0")
+    if sum(sizes) != len(entries):
+        raise StateError(f"{path}: {sizes_key!r} counts {sum(sizes)} pieces, {key!r} holds {len(entries)}")
+    groups, start = [], 0
+    for size in sizes:
+        groups.append(entries[start : start + size])
+        start += size
+    return groups
 
 
 def _key_text(key: RecordKey) -> str:

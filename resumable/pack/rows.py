@@ -105,7 +105,9 @@ class RowFormat:
         }
 
 
-def collate_rows(rows: Sequence[Mapping[str, np.ndarray]], as_torch: bool = False, flatten: bool = False) -> dict[str, Any]:
+def collate_rows(
+    rows: Sequence[Mapping[str, np.ndarray]], as_torch: bool = False, flatten: bool = False
+) -> dict[str, Any]:
     """Stack packed rows into a batch: ``.batch(8, collate_fn=collate_rows)``.
 
     By default every field gains a leading batch axis: ``(B, seq_len)`` token fields,

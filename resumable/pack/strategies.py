@@ -55,7 +55,10 @@ class Packer(ABC):
 
     @abstractmethod
     def groups(self) -> list[Row]:
-        """The open groups, in the canonical order that ``restore`` expects."""
+        """The open groups, in the canonical order that ``restore`` expects.
+
+        The lists may be the packer's own (``get_state`` calls this often): read, never modify.
+        """
 
     @abstractmethod
     def restore(self, groups: Sequence[Group]) -> None:
@@ -115,7 +118,7 @@ class NextFit(Packer):
         return rows
 
     def groups(self) -> list[Row]:
-        return [list(self._row)] if self._row else []
+        return [self._row] if self._row else []
 
     def restore(self, groups: Sequence[Group]) -> None:
         if len(groups) > 1:
@@ -248,7 +251,7 @@ class FirstFit(Packer):
         return rows
 
     def groups(self) -> list[Row]:
-        return [list(items) for items, _ in self._rows.values()]
+        return [items for items, _ in self._rows.values()]
 
 
 class BestFit(Packer):
@@ -376,7 +379,7 @@ class WindowBFD(Packer):
         return [[items[i] for i in row] for row in rows]
 
     def groups(self) -> list[Row]:
-        return [list(self._items)] if self._items else []
+        return [self._items] if self._items else []
 
     def restore(self, groups: Sequence[Group]) -> None:
         if len(groups) > 1:

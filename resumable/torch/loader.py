@@ -102,7 +102,6 @@ class Loader(StatefulDataLoader):
             NUM_WORKERS: self.num_workers,
             LOADER: loader_state,
         }
-        check_json(state, "Loader")
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

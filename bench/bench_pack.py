@@ -1,0 +1,180 @@
+"""Benchmark the sequence packer: efficiency per strategy, throughput and state cost.
+
+    .venv/bin/python bench/bench_pack.py [--docs 20000] [--seed 0]
+
+Document lengths are drawn from log-normal fits of real corpora (ln of GPT-2 token counts):
+UltraChat-like mu=6.952 sigma=0.533, C4-like mu=5.459 sigma=1.158, Alpaca-like mu=4.822
+sigma=0.702. Every figure is measured end to end through ``rs.nodes.Pack`` over an in-memory
+source of pre-made int32 numpy token arrays, on one core:
+
+- efficiency: non-padding tokens / (rows * seq_len), next to the lower bound
+  sum(len) / (ceil(sum(len) / seq_len) * seq_len);
+- Mtok/s: non-padding tokens handed out per second (source, packing and row assembly);
+- get_state: mean microseconds per call with the buffer full (half-way through the epoch),
+  and the state's JSON size; restore: milliseconds of ``set_state`` into a fresh pipeline.
+
+Targets: best_fit (buffer 1000) >= 98.5% on UltraChat-like at 2048 and >= 99.5% on C4-like;
+bfd over the whole set >= 98.7% on UltraChat-like; best_fit >= 5 M tokens/s.
+
+``online-bf`` is a reference, not a strategy: classic online best fit (each document into the
+fullest open row that fits, in arrival order; the fullest row is closed when open rows hold
+more than 1000 documents). It shows why ``best_fit`` plans its buffer instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from bisect import bisect_left, insort
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import resumable as rs  # noqa: E402
+from resumable.pack import Pack  # noqa: E402
+
+CORPORA = {"UltraChat": (6.952, 0.533), "C4": (5.459, 1.158), "Alpaca": (4.822, 0.702)}
+CASES = [("UltraChat", 2048), ("C4", 2048), ("Alpaca", 2048), ("UltraChat", 8192)]
+STRATEGIES: list[tuple[str, int | None]] = [
+    ("greedy", None),
+    ("first_fit", 64),
+    ("first_fit", 1000),
+    ("best_fit", 100),
+    ("best_fit", 1000),
+    ("bfd", 1000),
+    ("bfd", None),
+]
+VOCAB = 50257
+STATE_CALLS = 200
+
+
+def lengths(corpus: str, count: int, seed: int) -> np.ndarray:
+    """Document lengths in tokens (at least 1), log-normal with the corpus's fit."""
+    mu, sigma = CORPORA[corpus]
+    rng = np.random.default_rng(seed)
+    return np.maximum(1, np.rint(np.exp(rng.normal(mu, sigma, count)))).astype(np.int64)
+
+
+def documents(sizes: np.ndarray, seed: int) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(seed + 1)
+    tokens = rng.integers(0, VOCAB, int(sizes.sum()), dtype=np.int32)
+    bounds = np.concatenate(([0], np.cumsum(sizes)))
+    return [{"input_ids": tokens[start:stop]} for start, stop in zip(bounds[:-1], bounds[1:])]
+
+
+def lower_bound(sizes: np.ndarray, seq_len: int) -> float:
+    total = int(sizes.sum())
+    return total / (math.ceil(total / seq_len) * seq_len)
+
+
+def build(docs: list[dict[str, np.ndarray]], seq_len: int, strategy: str, buffer_size: int | None) -> Pack:
+    return rs.from_list(docs).pack(seq_len, strategy=strategy, buffer_size=buffer_size)
+
+
+def measure(docs: list[dict[str, np.ndarray]], seq_len: int, strategy: str, buffer_size: int | None) -> dict[str, Any]:
+    """One full epoch through the node, with the state taken and restored half-way."""
+    pack = build(docs, seq_len, strategy, buffer_size)
+    began = time.perf_counter()
+    rows = sum(1 for _ in pack)
+    seconds = time.perf_counter() - began
+    stats = pack.stats
+
+    probe = build(docs, seq_len, strategy, buffer_size)
+    for _ in range(rows // 2):
+        next(probe)
+    began = time.perf_counter()
+    for _ in range(STATE_CALLS):
+        state = probe.get_state()
+    state_us = (time.perf_counter() - began) / STATE_CALLS * 1e6
+    fresh = build(docs, seq_len, strategy, buffer_size)
+    began = time.perf_counter()
+    fresh.set_state(json.loads(json.dumps(state)))
+    restore_ms = (time.perf_counter() - began) * 1e3
+    if not all(np.array_equal(a["input_ids"], b["input_ids"]) for a, b in zip(probe, fresh)):
+        raise RuntimeError(f"{strategy}: the restored pipeline diverged")
+    return {
+        "rows": rows,
+        "efficiency": stats.efficiency,
+        "mtok_s": stats.tokens / seconds / 1e6,
+        "state_us": state_us,
+        "state_kb": len(json.dumps(state)) / 1e3,
+        "restore_ms": restore_ms,
+        "pending": len(probe.pending_keys()),
+    }
+
+
+def online_best_fit(sizes: np.ndarray, seq_len: int, buffer_size: int) -> float:
+    """Reference: classic online best fit over open rows in arrival order (see the docstring)."""
+    keys: list[int] = []  # capacity << 32 | row, sorted
+    members: dict[int, int] = {}
+    used_rows = 0
+    held = 0
+    pieces = []
+    for size in sizes.tolist():
+        pieces += [seq_len] * (size // seq_len) + ([size % seq_len] if size % seq_len else [])
+    for size in pieces:
+        at = bisect_left(keys, size << 32)
+        if at == len(keys):
+            used_rows += 1
+            if size == seq_len:
+                continue
+            row, capacity, count = used_rows, seq_len - size, 1
+        else:
+            key = keys.pop(at)
+            row, capacity = key & 0xFFFFFFFF, (key >> 32) - size
+            count = members.pop(row) + 1
+        held += 1
+        if capacity == 0:
+            held -= count
+            continue
+        members[row] = count
+        insort(keys, capacity << 32 | row)
+        if held > buffer_size:
+            held -= members.pop(keys.pop(0) & 0xFFFFFFFF)
+    return float(sum(pieces)) / (used_rows * seq_len)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--docs", type=int, default=20_000, help="documents per corpus")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # one core
+
+    header = (
+        f"{'corpus':<10} {'seq_len':>7} {'strategy':<10} {'buffer':>6} {'rows':>6} {'efficiency':>10} "
+        f"{'bound':>7} {'Mtok/s':>7} {'get_state':>10} {'state':>8} {'restore':>8}"
+    )
+    print(f"{args.docs} documents per corpus, seed {args.seed}, int32 token arrays, one core")
+    print(header)
+    print("-" * len(header))
+    for corpus, seq_len in CASES:
+        sizes = lengths(corpus, args.docs, args.seed)
+        docs = documents(sizes, args.seed)
+        bound = lower_bound(sizes, seq_len)
+        for strategy, buffer_size in STRATEGIES:
+            result = measure(docs, seq_len, strategy, buffer_size)
+            buffer_text = "epoch" if strategy == "bfd" and buffer_size is None else str(buffer_size or "-")
+            print(
+                f"{corpus:<10} {seq_len:>7} {strategy:<10} {buffer_text:>6} {result['rows']:>6} "
+                f"{result['efficiency']:>9.2%} {bound:>7.2%} {result['mtok_s']:>7.1f} "
+                f"{result['state_us']:>8.0f}us {result['state_kb']:>6.1f}kB {result['restore_ms']:>6.1f}ms"
+            )
+        reference = online_best_fit(sizes, seq_len, 1000)
+        print(f"{corpus:<10} {seq_len:>7} {'online-bf':<10} {1000:>6} {'':>6} {reference:>9.2%} {bound:>7.2%}")
+    print(f"mean document lengths: " + ", ".join(
+        f"{name} {float(np.exp(mu + sigma**2 / 2)):.0f}" for name, (mu, sigma) in CORPORA.items()
+    ))
+
+
+if __name__ == "__main__":
+    main()

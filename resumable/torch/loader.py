@@ -33,6 +33,9 @@ class Loader(StatefulDataLoader):
     restore. The state is plain JSON data. Each ``iter()`` that does not follow a
     ``load_state_dict`` starts a new epoch (a new shuffle order in every worker).
 
+    Workers send their state with every batch (``snapshot_every_n_steps=1``). A larger value
+    makes that cheaper; a restore then replays up to that many batches, still exactly.
+
     Workers ignore SIGTERM (``workers_ignore_sigterm``): a scheduler that preempts a job sends
     it to every process, and the trainer, not its workers, decides when to stop, typically
     after saving a checkpoint. Workers still exit when the loader shuts them down or when
@@ -52,6 +55,7 @@ class Loader(StatefulDataLoader):
         multiprocessing_context: Any = None,
         worker_init_fn: Callable[[int], None] | None = None,
         workers_ignore_sigterm: bool = True,
+        snapshot_every_n_steps: int = 1,
     ) -> None:
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
             raise ConfigError(f"Loader: num_workers must be a non-negative int, got {num_workers!r}")
@@ -71,7 +75,7 @@ class Loader(StatefulDataLoader):
                 persistent_workers=persistent_workers,
                 multiprocessing_context=multiprocessing_context,
                 worker_init_fn=worker_init_fn,
-                snapshot_every_n_steps=1,
+                snapshot_every_n_steps=snapshot_every_n_steps,
             )
         self._epoch = -1  # the epoch being iterated; -1 before the first iter()
 

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import logging
 import mmap
-import os
 from typing import Any, Callable, Sequence
 
 import numpy as np
 import orjson
 
-from resumable.errors import ConfigError, SourceError, StateError
-from resumable.sources.files import Paths, expand_paths
+from resumable.errors import ConfigError, SourceError
+from resumable.sources.files import Paths, check_fingerprints, expand_paths
 from resumable.sources.line_index import LineIndex
 from resumable.sources.source import Source
 from resumable.state import require
@@ -78,20 +77,7 @@ class JsonlSource(Source[Any]):
 
     def _check_config(self, state: dict[str, Any], path: str) -> None:
         super()._check_config(state, path)
-        saved = require(state, FILES, list, path)
-        if len(saved) != len(self._fingerprints):
-            raise StateError(f"{path}: state was saved over {len(saved)} files, this source has {len(self._fingerprints)}")
-        for saved_file, current in zip(saved, self._fingerprints):
-            if not (isinstance(saved_file, list) and len(saved_file) == 3):
-                raise StateError(f"{path}: malformed file fingerprint {saved_file!r}")
-            name, size, mtime_ns = saved_file
-            if not isinstance(name, str) or os.path.basename(name) != os.path.basename(current[0]):
-                raise StateError(f"{path}: state was saved over file {name!r} where this source has {current[0]!r}")
-            if (size, mtime_ns) != (current[1], current[2]):
-                raise StateError(
-                    f"{path}: file {current[0]!r} changed since the state was saved "
-                    f"(size {size} -> {current[1]}, mtime_ns {mtime_ns} -> {current[2]})"
-                )
+        check_fingerprints(require(state, FILES, list, path), self._fingerprints, path)
 
     # -- reading ------------------------------------------------------------------------------
 

@@ -34,11 +34,10 @@ from resumable.state import (
 if TYPE_CHECKING:
     from resumable.ops.batch import Batch
     from resumable.ops.filter import Filter
-    from resumable.ops.map import IndexedMap, Map
+    from resumable.ops.map import Map
     from resumable.ops.repeat import Repeat
     from resumable.order.shard import Shard
     from resumable.pack.node import Pack
-    from resumable.order.shuffle import Shuffle
     from resumable.sources.source import Source
 
 T = TypeVar("T")
@@ -188,11 +187,29 @@ class Node(Generic[T]):
 
     # -- fluent construction ----------------------------------------------------------------
 
-    def map(self, fn: Callable[[T], U]) -> Node[U]:
-        """Apply ``fn`` to every item."""
+    def map(self, fn: Callable[[T], U], num_workers: int = 0, mode: str = "thread") -> Node[U]:
+        """Apply ``fn`` to every item; with ``num_workers``, in a pool of threads or processes
+        (``mode``), keeping the order."""
+        if num_workers:
+            from resumable.ops.parallel_map import ParallelMap
+
+            return ParallelMap(self, fn, num_workers=num_workers, mode=mode)
         from resumable.ops.map import Map
 
         return Map(self, fn)
+
+    def prefetch(self, buffer_size: int = 4) -> Node[T]:
+        """Run the upstream in a background thread, up to ``buffer_size`` items ahead."""
+        from resumable.ops.prefetch import Prefetch
+
+        return Prefetch(self, buffer_size)
+
+    def cache(self, directory: str | None = None, max_bytes: int = 1 << 30) -> Node[T]:
+        """Keep the upstream's outputs: in memory (an LRU of ``max_bytes``) or, with
+        ``directory``, on disk in Arrow IPC files reused by later epochs and jobs."""
+        from resumable.ops.cache import cache
+
+        return cache(self, directory, max_bytes=max_bytes)
 
     def filter(self, predicate: Callable[[T], bool]) -> Filter[T]:
         """Keep the items for which ``predicate`` is true."""
@@ -220,7 +237,7 @@ class Node(Generic[T]):
 
         return Repeat(self, times)
 
-    def shuffle(self, seed: int = 0) -> Shuffle[T]:
+    def shuffle(self, seed: int = 0, block_size: int | str | None = None, window: int | None = None) -> Node[T]:
         """Global shuffle; needs random access (place it before filter, batch or pack)."""
         raise ConfigError(f"{self.kind}: shuffle() needs random access; place it before filter, batch and pack")
 
@@ -313,17 +330,26 @@ class IndexedNode(Node[T]):
 
     # -- fluent methods that keep random access ----------------------------------------------
 
-    def map(self, fn: Callable[[T], U]) -> IndexedMap[U]:  # type: ignore[override]
-        """Apply ``fn`` to every record, keeping random access (``fn`` must be pure)."""
+    def map(self, fn: Callable[[T], U], num_workers: int = 0, mode: str = "thread") -> Node[U]:
+        """Apply ``fn`` to every record. Serial maps keep random access (``fn`` must be pure);
+        with ``num_workers`` the map runs in a pool and the result is an iterator node."""
+        if num_workers:
+            return super().map(fn, num_workers=num_workers, mode=mode)
         from resumable.ops.map import IndexedMap
 
         return IndexedMap(self, fn)
 
-    def shuffle(self, seed: int = 0) -> Shuffle[T]:
-        """Global shuffle: an O(1)-memory keyed permutation, new every epoch."""
-        from resumable.order.shuffle import Shuffle
+    def shuffle(self, seed: int = 0, block_size: int | str | None = None, window: int | None = None) -> Node[T]:
+        """Global shuffle: an O(1)-memory keyed permutation, new every epoch. With
+        ``block_size`` (records, or ``"row_group"``), a locality-aware block shuffle: blocks
+        of consecutive records are permuted, then records within a window of blocks."""
+        if block_size is None and window is None:
+            from resumable.order.shuffle import Shuffle
 
-        return Shuffle(self, seed)
+            return Shuffle(self, seed)
+        from resumable.order.block_shuffle import BlockShuffle
+
+        return BlockShuffle(self, seed, block_size=block_size, window=window)
 
     def shard(
         self, rank: int | None = None, world_size: int | None = None, split_workers: bool = True
@@ -352,14 +378,16 @@ class IndexedNode(Node[T]):
             self._chain_ready = True
 
     def __next__(self) -> T:
-        try:
-            return self._next_record()  # type: ignore[no-any-return]
-        except StopIteration:
-            return self._next_in_new_chunk()
-        except Exception as error:  # noqa: BLE001 - sorted out off the hot path
-            return self._next_after_error(error)
+        while True:
+            try:
+                return self._next_record()  # type: ignore[no-any-return]
+            except StopIteration:
+                self._load_next_chunk()
+            except Exception as error:  # noqa: BLE001 - sorted out off the hot path
+                self._skip_or_raise(error)
 
-    def _next_in_new_chunk(self) -> T:
+    def _load_next_chunk(self) -> None:
+        """Read the next chunk of raw records; StopIteration at the end of the epoch."""
         start = self._chunk_start + len(self._chunk)
         total = len(self)
         if start >= total:
@@ -377,11 +405,11 @@ class IndexedNode(Node[T]):
         for fn in self._fns:
             records = map(fn, records)
         self._next_record = records.__next__
-        return self.__next__()
 
-    def _next_after_error(self, error: Exception) -> T:
-        """A record failed: a decode error goes to the source (raise or skip); an error raised
-        by a map function reaches the consumer as it is. Either way the record is consumed."""
+    def _skip_or_raise(self, error: Exception) -> None:
+        """A record failed: a decode error goes to the source (raise, or return to skip it); an
+        error raised by a map function reaches the consumer as it is. Either way the record is
+        consumed."""
         position = self.position - 1
         raw = self._chunk[position - self._chunk_start]
         if self._decode is None:
@@ -390,7 +418,7 @@ class IndexedNode(Node[T]):
             self._decode(raw)
         except Exception as decode_error:  # noqa: BLE001 - the source raises its own error
             self._reject(raw, position, self._epoch, decode_error, may_skip=True)
-            return self.__next__()
+            return
         raise error
 
     def _reject(self, raw: Any, position: int, epoch: int, error: Exception, may_skip: bool) -> None:

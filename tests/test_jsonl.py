@@ -109,6 +109,16 @@ def test_skip_counts_and_logs_malformed_lines(tmp_path: Path, caplog: pytest.Log
     assert "bad.jsonl:2" in caplog.text and "bad.jsonl:4" in caplog.text
 
 
+def test_long_runs_of_malformed_lines_are_skipped(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = write(tmp_path / "bad.jsonl", '{"id": 0}\n' + "garbage\n" * 5000 + '{"id": 1}\n')
+    source = rs.jsonl(path, on_error="skip")
+    with caplog.at_level("WARNING", logger="resumable"):
+        assert [r["id"] for r in source] == [0, 1]
+    assert source.stats["skipped"] == 5000
+    assert len(caplog.records) == jsonl_module.LOGGED_SKIPS + 1  # then counted, not logged
+    assert "bad.jsonl:2:" in caplog.records[0].getMessage()
+
+
 def test_skip_resumes_exactly(tmp_path: Path) -> None:
     lines = [json.dumps({"id": i}) if i % 4 else "{broken" for i in range(40)]
     path = write(tmp_path / "bad.jsonl", "\n".join(lines) + "\n")

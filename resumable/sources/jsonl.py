@@ -26,6 +26,9 @@ FILES = "files"
 ON_ERROR = "on_error"
 ON_ERROR_CHOICES = ("raise", "skip")
 
+# Malformed records skipped with on_error="skip" are logged one by one up to this many.
+LOGGED_SKIPS = 10
+
 # A sequential read takes whole records up to about this many bytes (at least one record).
 BLOCK_BYTES = 4 << 20
 
@@ -141,7 +144,10 @@ class JsonlSource(Source[Any]):
         where = f"{self.paths[file]}:{line}"
         if self.on_error == "skip" and may_skip:
             self.skipped += 1
-            logger.warning("%s: skipped malformed JSON record (%s)", where, error)
+            if self.skipped <= LOGGED_SKIPS:
+                logger.warning("%s: skipped malformed JSON record (%s)", where, error)
+                if self.skipped == LOGGED_SKIPS:
+                    logger.warning("%s: further malformed records are counted in stats, not logged", self.kind)
             return
         raise SourceError(f"{where}: malformed JSON record: {error}") from error
 

@@ -167,12 +167,25 @@ def _node_details(state: dict[str, Any]) -> list[str]:
             if isinstance(value, list):
                 fields.append(f"{key}: {len(value)} entries")
             elif isinstance(value, dict):
-                fields.append(f"{key}: {{{', '.join(sorted(value))}}}")
+                fields.append(f"{key}: " + ", ".join(f"{k}={v}" for k, v in sorted(value.items())))
             else:
                 fields.append(f"{key}={value}")
         if fields:
             lines.append(f"  {node[KIND]}: " + ", ".join(fields))
+        if node[KIND] == "Pack":
+            lines.append("    buffer: " + _pack_buffer(node))
     return lines
+
+
+def _pack_buffer(node: dict[str, Any]) -> str:
+    """The packer's buffered references: open rows still filling, closed rows not yet emitted."""
+    open_pieces, open_rows = len(node.get("open", [])), len(node.get("open_sizes", []))
+    ready_pieces, ready_rows = len(node.get("ready", [])), len(node.get("ready_sizes", []))
+    documents = {(ref[0], ref[1]) for ref in [*node.get("open", []), *node.get("ready", [])] if isinstance(ref, list)}
+    return (
+        f"{len(documents)} documents referenced: {open_pieces} pieces in {open_rows} open groups, "
+        f"{ready_pieces} pieces in {ready_rows} closed rows not yet emitted"
+    )
 
 
 def _files(state: dict[str, Any]) -> list[str]:

@@ -75,3 +75,14 @@ def test_not_a_state(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     assert main(["inspect", str(tmp_path / "other.json")]) == 2
     assert "no resumable state found" in capsys.readouterr().err
     assert main(["inspect", str(tmp_path / "missing.json")]) == 2
+
+
+def test_packer_buffer_is_summarised(tmp_path: Path) -> None:
+    documents = [{"input_ids": np.arange(n)} for n in np.random.default_rng(0).integers(1, 300, 200)]
+    pipe = rs.from_list(documents).shuffle(1).pack(256, buffer_size=40).batch(2)
+    take(pipe, 5)
+    rs.save_state(pipe.get_state(), tmp_path / "pack.json")
+    out = describe(str(tmp_path / "pack.json"))
+    pending = len(set(pipe.upstream.pending_keys()))
+    assert f"buffer: {pending} documents referenced" in out
+    assert "stats: documents=" in out

@@ -171,7 +171,7 @@ def main() -> None:
             )
         reference = online_best_fit(sizes, seq_len, 1000)
         print(f"{corpus:<10} {seq_len:>7} {'online-bf':<10} {1000:>6} {'':>6} {reference:>9.2%} {bound:>7.2%}")
-    print(f"mean document lengths: " + ", ".join(
+    print("mean document lengths: " + ", ".join(
         f"{name} {float(np.exp(mu + sigma**2 / 2)):.0f}" for name, (mu, sigma) in CORPORA.items()
     ))
 

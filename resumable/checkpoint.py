@@ -16,7 +16,7 @@ from resumable.errors import StateError
 from resumable.state import check_json
 
 
-def write_atomically(path: str | os.PathLike[str], write: Callable[[IO[bytes]], None]) -> None:
+def write_atomically(path: str | os.PathLike[str], write: Callable[[IO[bytes]], object]) -> None:
     """Call ``write`` on a temporary file, then put it at ``path`` in one atomic rename."""
     target = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(target))

@@ -34,7 +34,6 @@ from resumable.state import (
 if TYPE_CHECKING:
     from resumable.ops.batch import Batch
     from resumable.ops.filter import Filter
-    from resumable.ops.map import Map
     from resumable.ops.repeat import Repeat
     from resumable.order.shard import Shard
     from resumable.pack.node import Pack

@@ -21,7 +21,7 @@ def test_collate_fn() -> None:
 def test_batch_resumes_across_epochs() -> None:
     for drop_last in (False, True):
 
-        def build() -> rs.Node:
+        def build(drop_last: bool = drop_last) -> rs.Node:
             return rs.from_list(list(range(23))).shuffle(1).batch(5, drop_last=drop_last)
 
         for k in (0, 1, 4, 5, 6, 9, 10, 11, 14):

@@ -20,6 +20,8 @@ class Batch(Node[Any], Generic[T]):
     the state is the upstream's. The last, shorter batch of an epoch is kept unless ``drop_last``.
     """
 
+    upstream: Node[Any]
+
     def __init__(
         self,
         upstream: Node[T],
@@ -44,7 +46,7 @@ class Batch(Node[Any], Generic[T]):
         upstream = self.upstream
         for _ in range(self.batch_size):
             try:
-                items.append(next(upstream))  # type: ignore[call-overload]
+                items.append(next(upstream))
             except StopIteration:
                 break
         if not items or (self.drop_last and len(items) < self.batch_size):

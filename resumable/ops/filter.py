@@ -16,6 +16,8 @@ DROPPED = "dropped"
 class Filter(Node[T]):
     """Keep items for which ``predicate(item)`` is true; ``dropped`` counts the others this epoch."""
 
+    upstream: Node[Any]
+
     def __init__(self, upstream: Node[T], predicate: Callable[[T], bool]) -> None:
         super().__init__(upstream)
         if not callable(predicate):
@@ -26,7 +28,7 @@ class Filter(Node[T]):
     def _next(self) -> T:
         upstream, predicate = self.upstream, self.predicate
         while True:
-            item = next(upstream)  # type: ignore[call-overload]
+            item = next(upstream)
             if predicate(item):
                 return item  # type: ignore[no-any-return]
             self.dropped += 1
@@ -35,10 +37,10 @@ class Filter(Node[T]):
         self.dropped = 0
 
     def last_key(self) -> RecordKey | None:
-        return self.upstream.last_key()  # type: ignore[union-attr]
+        return self.upstream.last_key()
 
     def fetch(self, key: RecordKey) -> T:
-        return self.upstream.fetch(key)  # type: ignore[union-attr]
+        return self.upstream.fetch(key)
 
     def _progress(self) -> dict[str, Any]:
         return {DROPPED: self.dropped}

@@ -21,19 +21,21 @@ def _check_callable(kind: str, fn: Any) -> None:
 class Map(Node[U]):
     """Apply ``fn`` to each item of any upstream. Holds no state of its own."""
 
+    upstream: Node[Any]
+
     def __init__(self, upstream: Node[T], fn: Callable[[T], U]) -> None:
         super().__init__(upstream)
         _check_callable(self.kind, fn)
         self.fn = fn
 
     def _next(self) -> U:
-        return self.fn(next(self.upstream))  # type: ignore[arg-type]
+        return self.fn(next(self.upstream))
 
     def last_key(self) -> RecordKey | None:
-        return self.upstream.last_key()  # type: ignore[union-attr]
+        return self.upstream.last_key()
 
     def fetch(self, key: RecordKey) -> U:
-        return self.fn(self.upstream.fetch(key))  # type: ignore[union-attr]
+        return self.fn(self.upstream.fetch(key))
 
 
 class IndexedMap(IndexedNode[U]):
@@ -43,19 +45,21 @@ class IndexedMap(IndexedNode[U]):
     resume never re-runs ``fn`` on records before the cursor.
     """
 
+    upstream: IndexedNode[Any]
+
     def __init__(self, upstream: IndexedNode[T], fn: Callable[[T], U]) -> None:
         super().__init__(upstream)
         _check_callable(self.kind, fn)
         self.fn = fn
 
     def __len__(self) -> int:
-        return len(self.upstream)  # type: ignore[arg-type]
+        return len(self.upstream)
 
     def _raw_chunk(self, start: int, count: int, epoch: int) -> Sequence[Any]:
-        return self.upstream._raw_chunk(start, count, epoch)  # type: ignore[union-attr]
+        return self.upstream._raw_chunk(start, count, epoch)
 
     def _leaf_indices(self, positions: np.ndarray, epoch: int) -> np.ndarray:
-        return self.upstream._leaf_indices(positions, epoch)  # type: ignore[union-attr]
+        return self.upstream._leaf_indices(positions, epoch)
 
     def _record_fns(self) -> tuple[Callable[[Any], Any], ...]:
-        return (*self.upstream._record_fns(), self.fn)  # type: ignore[union-attr]
+        return (*self.upstream._record_fns(), self.fn)

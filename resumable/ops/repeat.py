@@ -22,6 +22,8 @@ class Repeat(Node[T]):
     yields nothing ends the iteration instead of spinning forever.
     """
 
+    upstream: Node[Any]
+
     def __init__(self, upstream: Node[T], times: int | None = None) -> None:
         super().__init__(upstream)
         if times is not None and (isinstance(times, bool) or not isinstance(times, int) or times <= 0):
@@ -37,12 +39,12 @@ class Repeat(Node[T]):
         upstream = self.upstream
         while True:
             try:
-                item = next(upstream)  # type: ignore[call-overload]
+                item = next(upstream)
             except StopIteration:
                 self.epochs_done += 1
                 if not self._yielded or (self.times is not None and self.epochs_done >= self.times):
                     raise
-                upstream.next_epoch()  # type: ignore[union-attr]
+                upstream.next_epoch()
                 self._yielded = False
                 continue
             self._yielded = True
@@ -53,10 +55,10 @@ class Repeat(Node[T]):
         self._yielded = False
 
     def last_key(self) -> RecordKey | None:
-        return self.upstream.last_key()  # type: ignore[union-attr]
+        return self.upstream.last_key()
 
     def fetch(self, key: RecordKey) -> T:
-        return self.upstream.fetch(key)  # type: ignore[union-attr]
+        return self.upstream.fetch(key)
 
     def _progress(self) -> dict[str, Any]:
         return {EPOCHS_DONE: self.epochs_done, YIELDED: self._yielded}

@@ -9,6 +9,7 @@ from resumable import nodes
 from resumable.checkpoint import load_state, save_state
 from resumable.errors import ConfigError, ResumableError, SourceError, StateError
 from resumable.node import IndexedNode, Node
+from resumable.ops.mix import mix
 from resumable.order.topology import Topology
 from resumable.sources.jsonl import jsonl
 from resumable.sources.memory import from_list
@@ -26,6 +27,7 @@ __all__ = [
     "from_list",
     "jsonl",
     "load_state",
+    "mix",
     "nodes",
     "save_state",
 ]

@@ -162,7 +162,7 @@ def _node_details(state: dict[str, Any]) -> list[str]:
     for node in chain(state):
         fields = []
         for key, value in node.items():
-            if key in (KIND, VERSION, UPSTREAM, ENDED, "files", *CURSOR_KEYS):
+            if key in (KIND, VERSION, UPSTREAM, ENDED, "files", "components", *CURSOR_KEYS):
                 continue
             if isinstance(value, list):
                 fields.append(f"{key}: {len(value)} entries")
@@ -174,7 +174,19 @@ def _node_details(state: dict[str, Any]) -> list[str]:
             lines.append(f"  {node[KIND]}: " + ", ".join(fields))
         if node[KIND] == "Pack":
             lines.append("    buffer: " + _pack_buffer(node))
+        for name, component in (node.get("components") or {}).items():
+            lines.append(f"    component {name}: {_cursor_text(component)}")
+            lines.extend("    " + line for line in _node_details(component))
     return lines
+
+
+def _cursor_text(state: dict[str, Any]) -> str:
+    """``A > B > C, epoch e, position p of n``: a chain and where its cursor stands."""
+    text = " > ".join(node[KIND] for node in chain(state))
+    cursor = next((node for node in chain(state) if "position" in node), None)
+    if cursor is not None:
+        text += f", epoch {cursor['epoch']}, position {cursor['position']:,} of {cursor.get('length', 0):,}"
+    return text
 
 
 def _pack_buffer(node: dict[str, Any]) -> str:

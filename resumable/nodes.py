@@ -4,6 +4,7 @@ from resumable.node import IndexedNode, Node
 from resumable.ops.batch import Batch
 from resumable.ops.filter import Filter
 from resumable.ops.map import IndexedMap, Map
+from resumable.ops.mix import Mix
 from resumable.ops.repeat import Repeat
 from resumable.order.shard import Shard
 from resumable.order.shuffle import Shuffle
@@ -20,6 +21,7 @@ __all__ = [
     "IndexedNode",
     "JsonlSource",
     "Map",
+    "Mix",
     "Node",
     "Pack",
     "Repeat",

@@ -86,3 +86,15 @@ def test_packer_buffer_is_summarised(tmp_path: Path) -> None:
     pending = len(set(pipe.upstream.pending_keys()))
     assert f"buffer: {pending} documents referenced" in out
     assert "stats: documents=" in out
+
+
+def test_mix_components_are_described(tmp_path: Path) -> None:
+    pipe = rs.mix(
+        {"web": rs.from_list(list(range(50))).shuffle(1), "code": rs.from_list(list(range(30))).shuffle(2)},
+        weights={"web": 0.7, "code": 0.3},
+    ).batch(4)
+    take(pipe, 5)
+    rs.save_state(pipe.get_state(), tmp_path / "mix.json")
+    out = describe(str(tmp_path / "mix.json"))
+    assert "component web: Shuffle > FromList, epoch 0, position" in out
+    assert "component code: Shuffle > FromList" in out

@@ -1,0 +1,441 @@
+"""Mix: a deterministic weighted interleave of several named pipelines.
+
+    web = rs.jsonl("web/*.jsonl").shuffle(seed=0).map(tokenize).pack(4096)
+    code = rs.jsonl("code/*.jsonl").shuffle(seed=1).map(tokenize).pack(4096)
+    rows = rs.mix({"web": web, "code": code}, weights={"web": 0.7, "code": 0.3}, seed=0).batch(8)
+
+Every item of the mix is the next item of one component, chosen by a *scheduler* whose state is
+a handful of counters, so a checkpoint of the mix is its counters plus every component's own
+state, and a restore is exact: the restored mix hands out exactly the item that would have come
+next.
+
+Scheduling rules (``schedule=``)
+--------------------------------
+
+``"smooth"`` (default): largest credit first, the "smooth weighted round-robin" rule. Each
+eligible component ``i`` (active, weight > 0) has a credit ``c_i``; its share is
+``p_i = w_i / sum(w over eligible)``. At every step the component with the largest ``c_i + p_i``
+is chosen; then every eligible credit grows by its ``p_i`` and the chosen one loses 1. Credits
+sum to zero and stay bounded, so after ``t`` items each component has handed out
+``p_i * t`` items up to a bounded error (of the order of the number of components) at *every*
+``t``: no bursts, no drift, and the realised proportions match the weights from the first
+hundred items on, where a random draw is off by ``O(sqrt(t))``. Ties (equal weights give one
+every few steps) are broken by a splitmix64 hash keyed by ``(seed, epoch, step, component)``,
+so the order within each round varies with the seed instead of always favouring the first
+name. This is the default because training mixtures are usually specified as proportions that
+every stretch of the stream should respect.
+
+``"random"``: independent keyed draws. At step ``t`` of mix epoch ``e``,
+``u = splitmix64(key(seed, e) + t)`` mapped to ``[0, 1)`` picks a component by cumulative
+weight over the eligible ones, in the order the components were given. The choice is a pure
+function of ``(seed, epoch, step, weights, eligible set)``; use it when the interleave must
+look like i.i.d. sampling.
+
+Either way the scheduler's state is plain counters (step, per-component counts and credits),
+so resuming never replays anything.
+
+When a component ends (``on_end=``)
+-----------------------------------
+
+* ``"stop"`` (default): the mix ends when the first chosen component is exhausted. The next mix
+  epoch starts *every* component's next epoch (the others' unread rest is skipped).
+* ``"drop"``: the exhausted component leaves; the others share its weight in proportion to
+  theirs; the mix ends when no component with a positive weight is left.
+* ``"restart"``: the exhausted component starts its next epoch (a new shuffle order, via its
+  ``next_epoch()``) and the mix goes on: the mix never ends, like ``repeat()``. A component
+  whose fresh epoch yields nothing is dropped instead (it would spin forever), so the mix ends
+  only when every component is empty.
+
+Weights are not part of the validated configuration: a pipeline built with other weights (or
+``set_weights()``) loads a saved state and continues from the saved step with the new weights.
+The component names, ``on_end``, ``schedule`` and ``seed`` are validated.
+
+Provenance: ``last_key()`` is None, because documents of different components share the same
+``(epoch, position)`` keys; so ``pack()`` cannot follow a mix. Pack each component first, then
+mix packed rows.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, NoReturn, TypeVar
+
+from resumable.errors import ConfigError, StateError
+from resumable.node import Node, RecordKey
+from resumable.order.lcg import _splitmix64
+from resumable.state import ENDED, KIND, STATE_VERSION, VERSION, check_config, check_header, require, require_count
+
+T = TypeVar("T")
+
+ON_END = ("stop", "drop", "restart")
+SCHEDULES = ("smooth", "random")
+
+# State entries.
+NAMES = "names"
+ON_END_KEY = "on_end"
+SCHEDULE = "schedule"
+SEED = "seed"
+COMPONENTS = "components"
+EPOCH = "epoch"
+STEP = "step"
+COUNTS = "counts"
+CREDITS = "credits"
+ACTIVE = "active"
+RESTARTS = "restarts"
+FRESH = "fresh"
+WEIGHTS = "weights"  # informational only: never validated
+LAST = "last"
+
+_M64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+# Credits closer than this are a tie (float sums of shares such as 1/3 are not exact).
+_TIE = 1e-9
+
+
+class Mix(Node[T]):
+    """Interleave named component pipelines by weight; see the module docstring for the rules.
+
+    Args:
+        components: ``{name: node}``, at least one; every node a distinct resumable node.
+        weights: ``{name: weight}`` with exactly the component names, finite and >= 0, not
+            all zero; None gives every component the same weight. Proportions, not counts:
+            ``{"a": 3, "b": 1}`` is 75% / 25%.
+        seed: non-negative int keying tie-breaks (``"smooth"``) or draws (``"random"``).
+        on_end: ``"stop"``, ``"drop"`` or ``"restart"``: what an exhausted component does.
+        schedule: ``"smooth"`` (largest credit first) or ``"random"`` (keyed draws).
+    """
+
+    def __init__(
+        self,
+        components: Mapping[str, Node[Any]],
+        weights: Mapping[str, float] | None = None,
+        seed: int = 0,
+        on_end: str = "stop",
+        schedule: str = "smooth",
+    ) -> None:
+        super().__init__(None)
+        kind = self.kind
+        if not isinstance(components, Mapping):
+            raise ConfigError(f"{kind}: components must be a dict {{name: node}}, got {type(components).__name__}")
+        if not components:
+            raise ConfigError(f"{kind}: components must not be empty")
+        seen: set[int] = set()
+        for name, node in components.items():
+            if not isinstance(name, str) or not name:
+                raise ConfigError(f"{kind}: component names must be non-empty strings, got {name!r}")
+            if not isinstance(node, Node):
+                raise ConfigError(
+                    f"{kind}[{name}]: a component must be a resumable node, got {type(node).__name__}"
+                )
+            if id(node) in seen:
+                raise ConfigError(f"{kind}[{name}]: the same node object is given twice; build one per component")
+            seen.add(id(node))
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ConfigError(f"{kind}: seed must be a non-negative int, got {seed!r}")
+        if on_end not in ON_END:
+            raise ConfigError(f"{kind}: unknown on_end {on_end!r}, expected one of {', '.join(map(repr, ON_END))}")
+        if schedule not in SCHEDULES:
+            raise ConfigError(
+                f"{kind}: unknown schedule {schedule!r}, expected one of {', '.join(map(repr, SCHEDULES))}"
+            )
+        self.components: dict[str, Node[Any]] = dict(components)
+        self.names: tuple[str, ...] = tuple(self.components)
+        self.seed = seed
+        self.on_end = on_end
+        self.schedule = schedule
+        self._weights = self._checked_weights(weights)
+        self._epoch = 0
+        self._on_epoch_start()
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    def _checked_weights(self, weights: Mapping[str, float] | None) -> dict[str, float]:
+        kind = self.kind
+        if weights is None:
+            return {name: 1.0 for name in self.names}
+        if not isinstance(weights, Mapping):
+            raise ConfigError(f"{kind}: weights must be a dict {{name: weight}}, got {type(weights).__name__}")
+        unknown = [name for name in weights if name not in self.components]
+        if unknown:
+            raise ConfigError(
+                f"{kind}: weights for unknown components {unknown!r}; the components are {list(self.names)!r}"
+            )
+        missing = [name for name in self.names if name not in weights]
+        if missing:
+            raise ConfigError(f"{kind}: no weight for components {missing!r}")
+        checked: dict[str, float] = {}
+        for name in self.names:
+            weight = weights[name]
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+                raise ConfigError(f"{kind}[{name}]: weight must be a finite number, got {weight!r}")
+            if weight < 0:
+                raise ConfigError(f"{kind}[{name}]: weight must be >= 0, got {weight!r}")
+            checked[name] = float(weight)
+        if not any(checked.values()):
+            raise ConfigError(f"{kind}: at least one weight must be positive, got {checked!r}")
+        return checked
+
+    @property
+    def weights(self) -> dict[str, float]:
+        """The current weights (a copy)."""
+        return dict(self._weights)
+
+    def set_weights(self, weights: Mapping[str, float]) -> None:
+        """Use ``weights`` from the next item on (same validation as the constructor). The
+        credits carry over, so the new proportions take effect at once and smoothly."""
+        self._weights = self._checked_weights(weights)
+        self._cached_plan = None
+
+    # -- statistics ------------------------------------------------------------------------------
+
+    @property
+    def epoch(self) -> int:
+        """Mix epochs started before the current one (``next_epoch`` adds one)."""
+        return self._epoch
+
+    @property
+    def step(self) -> int:
+        """Items handed out in the current mix epoch."""
+        return self._step
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """Items handed out per component in the current mix epoch."""
+        return dict(self._counts)
+
+    @property
+    def proportions(self) -> dict[str, float]:
+        """Realised share of each component in the current mix epoch (all 0.0 before any item)."""
+        step = self._step
+        return {name: (count / step if step else 0.0) for name, count in self._counts.items()}
+
+    @property
+    def active(self) -> list[str]:
+        """Components not yet exhausted (``"drop"``) or not found empty (``"restart"``)."""
+        return [name for name in self.names if self._active[name]]
+
+    @property
+    def restarts(self) -> dict[str, int]:
+        """Epochs each component started inside this mix epoch (``on_end="restart"``)."""
+        return dict(self._restarts)
+
+    @property
+    def last_component(self) -> str | None:
+        """Name of the component behind the last item handed out (None before the first)."""
+        return self._last
+
+    # -- scheduling ------------------------------------------------------------------------------
+
+    def _plan(self) -> tuple[list[str], dict[str, float]]:
+        """The eligible components (active, weight > 0) and their shares, cached until the
+        weights, the active set or the epoch change."""
+        if self._cached_plan is None:
+            eligible = [name for name in self.names if self._active[name] and self._weights[name] > 0]
+            total = sum(self._weights[name] for name in eligible)
+            self._cached_plan = (eligible, {name: self._weights[name] / total for name in eligible})
+        return self._cached_plan
+
+    def _key(self, step: int) -> int:
+        """splitmix64 of ``(seed, epoch, step)``."""
+        if self._cached_base is None:
+            self._cached_base = _splitmix64((_splitmix64(self.seed & _M64) ^ self._epoch) & _M64)
+        return _splitmix64((self._cached_base + step * _GOLDEN) & _M64)
+
+    def _choose(self, eligible: list[str], shares: dict[str, float]) -> str:
+        """The component for the current step; a pure function of the counters and weights."""
+        step = self._step
+        if self.schedule == "random":
+            u = (self._key(step) >> 11) / float(1 << 53)
+            cumulative = 0.0
+            for name in eligible:
+                cumulative += shares[name]
+                if u < cumulative:
+                    return name
+            return eligible[-1]
+        scores = {name: self._credits[name] + shares[name] for name in eligible}
+        best = max(scores.values())
+        tied = [name for name in eligible if scores[name] >= best - _TIE]
+        if len(tied) == 1:
+            return tied[0]
+        key = self._key(step)
+        return min(tied, key=lambda name: _splitmix64((key + self.names.index(name)) & _M64))
+
+    def _drop(self, name: str) -> None:
+        """Remove ``name`` from the schedule; its credit is spread over the others."""
+        self._active[name] = False
+        self._cached_plan = None
+        credit = self._credits[name]
+        self._credits[name] = 0.0
+        rest = [other for other in self.names if self._active[other] and self._weights[other] > 0]
+        if rest and credit:
+            for other in rest:
+                self._credits[other] += credit / len(rest)
+
+    def _next(self) -> T:
+        if self._ended:
+            raise StopIteration
+        while True:
+            eligible, shares = self._plan()
+            if not eligible:
+                raise StopIteration
+            name = self._choose(eligible, shares)
+            component = self.components[name]
+            try:
+                item = next(component)
+            except StopIteration:
+                self._component_ended(name)
+                continue
+            for other in eligible:
+                self._credits[other] += shares[other]
+            self._credits[name] -= 1.0
+            self._step += 1
+            self._counts[name] += 1
+            self._fresh[name] = False
+            self._last = name
+            return item  # type: ignore[no-any-return]
+
+    def _component_ended(self, name: str) -> None:
+        """React to an exhausted component; raises StopIteration when the mix ends."""
+        if self.on_end == "stop":
+            raise StopIteration
+        if self.on_end == "restart" and not self._fresh[name]:
+            self.components[name].next_epoch()
+            self._restarts[name] += 1
+            self._fresh[name] = True
+            return
+        self._drop(name)
+
+    # -- epochs ----------------------------------------------------------------------------------
+
+    def _begin_epoch(self, epoch: int | None) -> None:
+        for component in self.components.values():
+            component._begin_epoch(epoch)
+        self._epoch = self._epoch + 1 if epoch is None else epoch
+        self._ended = False
+        self._on_epoch_start()
+
+    def _on_epoch_start(self) -> None:
+        self._step = 0
+        self._counts = {name: 0 for name in self.names}
+        self._credits = {name: 0.0 for name in self.names}
+        self._active = {name: True for name in self.names}
+        self._restarts = {name: 0 for name in self.names}
+        self._fresh = {name: False for name in self.names}
+        self._last: str | None = None
+        self._cached_plan: tuple[list[str], dict[str, float]] | None = None
+        self._cached_base: int | None = None
+
+    # -- provenance ------------------------------------------------------------------------------
+
+    def last_key(self) -> RecordKey | None:
+        """None: items of different components cannot be told apart by ``(epoch, position)``."""
+        return None
+
+    def pack(self, seq_len: int, **options: Any) -> NoReturn:
+        """Not supported after a mix: pack each component, then mix the packed rows."""
+        raise ConfigError(
+            f"{self.kind}: pack() cannot follow a mix: a packer checkpoints its buffer by record keys, "
+            "which a mix of several pipelines does not have (last_key() is None). Pack each component "
+            "before mixing: rs.mix({'web': web.pack(n), 'code': code.pack(n)}, ...)"
+        )
+
+    # -- state -----------------------------------------------------------------------------------
+
+    def _config(self) -> dict[str, Any]:
+        return {NAMES: list(self.names), ON_END_KEY: self.on_end, SCHEDULE: self.schedule, SEED: self.seed}
+
+    def _progress(self) -> dict[str, Any]:
+        return {
+            EPOCH: self._epoch,
+            STEP: self._step,
+            COUNTS: dict(self._counts),
+            CREDITS: dict(self._credits),
+            ACTIVE: dict(self._active),
+            RESTARTS: dict(self._restarts),
+            FRESH: dict(self._fresh),
+            WEIGHTS: dict(self._weights),
+            LAST: self._last,
+        }
+
+    def _state(self, progress: bool) -> dict[str, Any]:
+        state = {KIND: self.kind, VERSION: STATE_VERSION, **self._config()}
+        if progress:
+            state.update(self._progress())
+            state[ENDED] = self._ended
+        state[COMPONENTS] = {name: node._state(progress=True) for name, node in self.components.items()}
+        return state
+
+    def _check_config(self, state: dict[str, Any], path: str) -> None:
+        saved = state.get(NAMES)
+        if saved != list(self.names):
+            raise StateError(
+                f"{path}: state was saved for components {saved!r}, this mix has {list(self.names)!r}"
+            )
+        check_config(state, self._config(), path)
+
+    def _load(self, state: Any, path: str, progress: bool = True) -> None:
+        check_header(state, self.kind, path)
+        self._check_config(state, path)
+        saved = require(state, COMPONENTS, dict, path)
+        if sorted(saved) != sorted(self.names):
+            raise StateError(
+                f"{path}: state holds components {sorted(saved)!r}, this mix has {sorted(self.names)!r}"
+            )
+        for name, node in self.components.items():
+            node._load(saved[name], f"{path}[{name}] > {node.kind}", True)
+        if progress:
+            self._restore(state, path)
+            self._ended = require(state, ENDED, bool, path)
+
+    def _restore(self, state: dict[str, Any], path: str) -> None:
+        self._epoch = require_count(state, EPOCH, path)
+        self._step = require_count(state, STEP, path)
+        counts = self._per_name(state, COUNTS, int, path)
+        if any(count < 0 for count in counts.values()) or sum(counts.values()) != self._step:
+            raise StateError(f"{path}: state counts {counts!r} do not add up to step {self._step}")
+        credits = self._per_name(state, CREDITS, (int, float), path)
+        if not all(math.isfinite(value) for value in credits.values()):
+            raise StateError(f"{path}: state credits {credits!r} are not finite")
+        restarts = self._per_name(state, RESTARTS, int, path)
+        if any(value < 0 for value in restarts.values()):
+            raise StateError(f"{path}: state restarts {restarts!r} must be >= 0")
+        last = state.get(LAST)
+        if last is not None and last not in self.components:
+            raise StateError(f"{path}: state names an unknown last component {last!r}")
+        self._counts = counts
+        self._credits = {name: float(value) for name, value in credits.items()}
+        self._active = self._per_name(state, ACTIVE, bool, path)
+        self._restarts = restarts
+        self._fresh = self._per_name(state, FRESH, bool, path)
+        self._last = last
+        self._cached_plan = None
+        self._cached_base = None
+
+    def _per_name(self, state: dict[str, Any], key: str, types: type | tuple[type, ...], path: str) -> dict[str, Any]:
+        """A ``{name: value}`` entry with exactly this mix's names and values of ``types``."""
+        entry = require(state, key, dict, path)
+        if sorted(entry) != sorted(self.names):
+            raise StateError(f"{path}: state entry {key!r} names {sorted(entry)!r}, expected {sorted(self.names)!r}")
+        values = {}
+        for name in self.names:
+            value = entry[name]
+            bad_bool = isinstance(value, bool) and types is not bool
+            if not isinstance(value, types) or bad_bool:
+                raise StateError(f"{path}: state entry {key}[{name!r}] is {value!r}")
+            values[name] = value
+        return values
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{name}: {node!r}" for name, node in self.components.items())
+        return f"<Mix[{inner}]>"
+
+
+def mix(
+    components: Mapping[str, Node[Any]],
+    weights: Mapping[str, float] | None = None,
+    seed: int = 0,
+    on_end: str = "stop",
+    schedule: str = "smooth",
+) -> Mix[Any]:
+    """Interleave named pipelines by weight, deterministically and resumably (see ``Mix``)."""
+    return Mix(components, weights=weights, seed=seed, on_end=on_end, schedule=schedule)

@@ -2,6 +2,7 @@
 
 from resumable.node import IndexedNode, Node
 from resumable.ops.batch import Batch
+from resumable.ops.cache import Cache
 from resumable.ops.filter import Filter
 from resumable.ops.map import IndexedMap, Map
 from resumable.ops.mix import Mix
@@ -15,6 +16,7 @@ from resumable.sources.source import Source
 
 __all__ = [
     "Batch",
+    "Cache",
     "Filter",
     "FromList",
     "IndexedMap",

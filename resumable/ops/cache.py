@@ -1,0 +1,355 @@
+"""Cache: keep an indexed chain's records so later epochs and jobs read them instead of
+recomputing them (decoding, tokenising).
+
+    pipe = rs.jsonl(paths).map(tokenize).cache("/scratch/cache").shuffle(0).shard().batch(8)
+
+``Cache`` is an indexed node whose record ``i`` is upstream record ``i``. Towards the nodes
+above it, it behaves like a source ("leaf-like"): shuffle, shard and maps placed after it read
+its records by position through ``_raw_at``, which returns them from the cache or computes the
+missing ones from the upstream (its decoder and maps) and stores them. So the cache key is the
+upstream position, which must be a stable record id: the upstream may not contain a shuffle or
+a shard (their order depends on the epoch or the process); put those after the cache.
+
+* ``.cache()``: an in-memory LRU of records bounded by ``max_bytes`` (sizes are estimated).
+* ``.cache(directory)``: Arrow IPC block files under ``directory/<fingerprint>/``
+  (see ``resumable.ops.disk_cache``), where the fingerprint hashes the upstream's configuration
+  (source files with size and mtime, options) and the code of its map functions, so another
+  pipeline never reads a stale cache. An unwritable directory falls back to memory with one
+  ``CacheWarning``.
+
+The state holds only the configuration and the cursor: a resume is exact whether the cache is
+cold, warm or half filled, since a cached record equals the computed one.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import warnings
+from collections import OrderedDict
+from types import CodeType
+from typing import Any, Callable, Sequence, TypeVar
+
+import numpy as np
+
+from resumable.errors import ConfigError
+from resumable.node import IndexedNode, Node
+from resumable.ops import disk_cache
+
+T = TypeVar("T")
+
+DIRECTORY = "directory"
+MAX_BYTES = "max_bytes"
+BLOCK_SIZE = "block_size"
+FINGERPRINT = "fingerprint"
+
+DEFAULT_MAX_BYTES = 1 << 30
+DEFAULT_BLOCK_SIZE = 1024
+"""Records per disk block: computed, written and read together."""
+FINGERPRINT_CHARS = 32
+OBJECT_OVERHEAD = 64
+"""Bytes added per Python object when estimating a record's size."""
+PROBE_POSITIONS = 64
+"""Upstream positions compared across two epochs to detect an epoch-dependent order."""
+_MISSING = object()
+
+
+class CacheWarning(UserWarning):
+    """The cache directory cannot be written: records are cached in memory only."""
+
+
+def record_size(value: Any, depth: int = 0) -> int:
+    """Estimated bytes held by a record: array buffers, string lengths, containers, recursively."""
+    if isinstance(value, np.ndarray):
+        return value.nbytes + OBJECT_OVERHEAD
+    if isinstance(value, (bytes, bytearray, str)):
+        return len(value) + OBJECT_OVERHEAD
+    if depth < 32:
+        if isinstance(value, dict):
+            items = value.items()
+            return OBJECT_OVERHEAD + sum(record_size(k, depth + 1) + record_size(v, depth + 1) for k, v in items)
+        if isinstance(value, (list, tuple, set, frozenset)):
+            return OBJECT_OVERHEAD + 8 * len(value) + sum(record_size(v, depth + 1) for v in value)
+    return OBJECT_OVERHEAD // 2
+
+
+class LRU:
+    """Records by position, least recently used evicted first, bounded by estimated bytes."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._items: OrderedDict[int, tuple[Any, int]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, position: int) -> Any:
+        item = self._items.get(position)
+        if item is None:
+            return _MISSING
+        self._items.move_to_end(position)
+        return item[0]
+
+    def put(self, position: int, record: Any) -> None:
+        size = record_size(record)
+        if size > self.max_bytes:
+            return
+        old = self._items.pop(position, None)
+        if old is not None:
+            self.bytes -= old[1]
+        self._items[position] = (record, size)
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            _, (_, evicted) = self._items.popitem(last=False)
+            self.bytes -= evicted
+
+
+def _hash_code(code: CodeType, digest: Any) -> None:
+    digest.update(code.co_code)
+    digest.update(repr(code.co_names).encode())
+    for const in code.co_consts:
+        if isinstance(const, CodeType):
+            _hash_code(const, digest)
+        elif isinstance(const, frozenset):
+            digest.update(repr(sorted(map(repr, const))).encode())
+        else:
+            digest.update(repr(const).encode())
+
+
+def _function_fingerprint(fn: Any) -> str:
+    """Name and bytecode of a map function: editing ``tokenize`` invalidates the cache.
+
+    Closures' captured values and objects' attributes are not hashed (they have no stable
+    representation across processes): a function configured differently needs another directory.
+    """
+    digest = hashlib.sha256()
+    while isinstance(fn, functools.partial):
+        digest.update(b"partial")
+        fn = fn.func
+    name = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
+    digest.update(name.encode())
+    code = getattr(fn, "__code__", None) or getattr(getattr(type(fn), "__call__", None), "__code__", None)
+    if isinstance(code, CodeType):
+        _hash_code(code, digest)
+    return f"{name}:{digest.hexdigest()[:16]}"
+
+
+def fingerprint(upstream: IndexedNode[Any]) -> tuple[str, dict[str, Any]]:
+    """``(hex digest, what it hashes)``: the upstream's configuration (``_state(progress=False)``,
+    which includes source file fingerprints and options) and its map functions' code."""
+    config = {
+        "format": disk_cache.FORMAT,
+        "upstream": upstream._state(progress=False),
+        "functions": [_function_fingerprint(fn) for fn in upstream._record_fns()],
+    }
+    text = json.dumps(config, sort_keys=True, separators=(",", ":"), default=repr)
+    return hashlib.sha256(text.encode()).hexdigest()[:FINGERPRINT_CHARS], config
+
+
+def _check_upstream(upstream: Any) -> None:
+    """Raise ConfigError unless positions of ``upstream`` are stable record ids."""
+    if not isinstance(upstream, IndexedNode):
+        kind = upstream.kind if isinstance(upstream, Node) else type(upstream).__name__
+        raise ConfigError(
+            f"Cache needs an indexed upstream (source, map), but {kind} is not indexed; "
+            "place .cache() before filter, batch and pack"
+        )
+    node: Node[Any] | None = upstream
+    while node is not None:
+        if type(node).__module__.startswith("resumable.order."):
+            raise ConfigError(
+                f"Cache: the upstream contains {node.kind}, whose order depends on the epoch or the "
+                "process, so positions are not stable record ids; place .cache() before shuffle and shard"
+            )
+        node = node.upstream
+    total = len(upstream)
+    if total:
+        probe = np.unique(np.linspace(0, total - 1, num=min(total, PROBE_POSITIONS)).astype(np.int64))
+        if not np.array_equal(upstream._leaf_indices(probe, 0), upstream._leaf_indices(probe, 1)):
+            raise ConfigError(
+                f"Cache: {upstream!r} maps positions to different records in different epochs; "
+                "place .cache() before shuffle and shard"
+            )
+
+
+class Cache(IndexedNode[T]):
+    """Record ``i`` is upstream record ``i``, computed once and then read from the cache.
+
+    ``directory=None`` keeps an in-memory LRU bounded by ``max_bytes``; a directory stores
+    blocks of ``block_size`` records in Arrow IPC files under ``directory/<fingerprint>/``
+    (and uses the LRU only if the directory cannot be written). Records read from disk are
+    rebuilt from Arrow: numpy arrays come back as fresh writable arrays of the same dtype.
+    """
+
+    def __init__(
+        self,
+        upstream: IndexedNode[T],
+        directory: str | os.PathLike[str] | None = None,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+    ) -> None:
+        _check_upstream(upstream)
+        super().__init__(upstream)
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+            raise ConfigError(f"{self.kind}: max_bytes must be a non-negative int, got {max_bytes!r}")
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ConfigError(f"{self.kind}: block_size must be a positive int, got {block_size!r}")
+        if directory is not None and not isinstance(directory, (str, os.PathLike)):
+            raise ConfigError(f"{self.kind}: directory must be a path or None, got {type(directory).__name__}")
+        self.directory = None if directory is None else os.path.abspath(os.fspath(directory))
+        self.max_bytes = max_bytes
+        self.block_size = block_size
+        self.fingerprint, fingerprinted = fingerprint(upstream)
+        self.computed = 0
+        """Records computed from the upstream by this node (not read from the cache)."""
+        self._memory = LRU(max_bytes)
+        self._disk: disk_cache.DiskStore | None = None
+        if self.directory is not None:
+            root = os.path.join(self.directory, self.fingerprint)
+            try:
+                self._disk = disk_cache.DiskStore(root, len(upstream), block_size, fingerprinted)
+            except OSError as error:
+                self._fall_back(root, error)
+
+    @property
+    def path(self) -> str | None:
+        """The directory holding this pipeline's block files, or None when caching in memory."""
+        return None if self._disk is None else self._disk.root
+
+    def _fall_back(self, root: str, error: OSError) -> None:
+        warnings.warn(
+            f"Cache: cannot write to {root!r} ({error}); caching records in memory only (max_bytes={self.max_bytes})",
+            CacheWarning,
+            stacklevel=3,
+        )
+        self._disk = None
+
+    # -- leaf-like random access: the nodes above read final records from here ---------------
+
+    def __len__(self) -> int:
+        return len(self.upstream)  # type: ignore[arg-type]
+
+    @property
+    def leaf(self) -> Cache[T]:
+        return self
+
+    def _leaf_indices(self, positions: np.ndarray, epoch: int) -> np.ndarray:
+        return positions
+
+    def _record_fns(self) -> tuple[Callable[[Any], Any], ...]:
+        return ()
+
+    def _decoder(self) -> Callable[[Any], Any] | None:
+        return None
+
+    def _decode_failed(self, raw: Any, index: int, error: Exception, may_skip: bool) -> None:
+        raise error
+
+    def _raw_at(self, indices: np.ndarray) -> Sequence[T]:
+        """Final records at upstream positions ``indices``, from the cache or computed."""
+        positions = indices.tolist()
+        if self._disk is not None:
+            return self._from_disk(positions)
+        return self._from_memory(positions)
+
+    def _from_disk(self, positions: list[int]) -> list[T]:
+        records: list[Any] = []
+        size = self.block_size
+        block, view = -1, None
+        for position in positions:
+            if position // size != block:
+                block = position // size
+                view = self._block(block)
+                if view is None:  # the directory stopped being writable: memory from now on
+                    return records + self._from_memory(positions[len(records) :])
+            records.append(view.record(position - block * size))  # type: ignore[union-attr]
+        return records
+
+    def _block(self, block: int) -> disk_cache.BlockView | None:
+        disk = self._disk
+        view = disk.view(block)  # type: ignore[union-attr]
+        if view is not None:
+            return view
+        start, stop = disk.bounds(block)  # type: ignore[union-attr]
+        computed = self._compute(start, stop)
+        table = disk_cache.encode_block(computed)
+        try:
+            disk.write(block, table)  # type: ignore[union-attr]
+        except OSError as error:
+            self._fall_back(disk.root, error)  # type: ignore[union-attr]
+            for offset, record in enumerate(computed):
+                self._memory.put(start + offset, record)
+            return None
+        return disk.view(block) or disk_cache.BlockView(table)  # type: ignore[union-attr]
+
+    def _from_memory(self, positions: list[int]) -> list[T]:
+        memory = self._memory
+        records = [memory.get(p) for p in positions]
+        missing = sorted({p for p, r in zip(positions, records) if r is _MISSING})
+        if not missing:
+            return records
+        computed: dict[int, Any] = {}
+        run_start = previous = missing[0]
+        for position in [*missing[1:], None]:
+            if position is not None and position == previous + 1:
+                previous = position
+                continue
+            for offset, record in enumerate(self._compute(run_start, previous + 1)):
+                computed[run_start + offset] = record
+                memory.put(run_start + offset, record)
+            if position is not None:
+                run_start = previous = position
+        return [computed[p] if r is _MISSING else r for p, r in zip(positions, records)]
+
+    def _compute(self, start: int, stop: int) -> list[Any]:
+        """Upstream records ``[start, stop)``: read raw, decode and map, as its cursor would."""
+        upstream = self.upstream
+        upstream._prepare_chain()  # type: ignore[union-attr]
+        raws: list[Any] = []
+        while start + len(raws) < stop:
+            position = start + len(raws)
+            raws.extend(upstream._raw_chunk(position, stop - position, 0))  # type: ignore[union-attr]
+        decode, fns = upstream._decode, upstream._fns  # type: ignore[union-attr]
+        records = []
+        for offset, raw in enumerate(raws):
+            record = raw
+            if decode is not None:
+                try:
+                    record = decode(raw)
+                except Exception as error:  # noqa: BLE001 - the source raises its own error
+                    upstream._reject(raw, start + offset, 0, error, may_skip=False)  # type: ignore[union-attr]
+                    raise
+            for fn in fns:
+                record = fn(record)
+            records.append(record)
+        self.computed += len(records)
+        return records
+
+    # -- state: configuration only, plus the cursor -----------------------------------------
+
+    def _config(self) -> dict[str, Any]:
+        return {
+            DIRECTORY: self.directory,
+            MAX_BYTES: self.max_bytes,
+            BLOCK_SIZE: self.block_size,
+            FINGERPRINT: self.fingerprint,
+        }
+
+    def _check_config(self, state: dict[str, Any], path: str) -> None:
+        """Nothing to check: a cache never changes the records, so a state saved with another
+        directory, size or a cold cache resumes here (the upstream's own checks still apply)."""
+
+
+def cache(
+    upstream: Node[T],
+    directory: str | os.PathLike[str] | None = None,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> Cache[T]:
+    """Cache ``upstream``'s records: in memory (an LRU of ``max_bytes``) or, with ``directory``,
+    in Arrow IPC files reused by later epochs and jobs. ``upstream`` must be indexed and free
+    of shuffle and shard (place those after the cache). Raises ConfigError otherwise."""
+    return Cache(upstream, directory, max_bytes=max_bytes, block_size=block_size)  # type: ignore[arg-type]

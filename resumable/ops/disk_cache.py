@@ -1,0 +1,241 @@
+"""On-disk record store of ``Cache``: aligned blocks of records in Arrow IPC files.
+
+Layout under ``<directory>/<fingerprint>/``::
+
+    config.json                      the upstream's configuration the fingerprint hashes (for people)
+    000000000000-000000001024.arrow  records [0, 1024): one Arrow IPC file, one record batch
+    000000001024-000000002048.arrow  records [1024, 2048)
+    .000000002048-000000003072.arrow.XXXX.tmp   a write in progress or left by a crash (ignored)
+
+Block ``b`` holds records ``[b * block_size, min((b + 1) * block_size, length))``. A block is
+computed as a whole the first time any of its records is asked for, written to a temporary file,
+fsynced and renamed into place (``write_atomically``), so a reader sees a complete block or none.
+Two processes that compute the same block write identical bytes and the last rename wins.
+
+Each file is self-describing: the schema's metadata says how each column maps back to the
+Python value the map produced (see ``encode_block`` / ``BlockView``), so reading record ``i``
+is one dict lookup for the block plus one slice per column.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import OrderedDict
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from resumable.checkpoint import write_atomically
+from resumable.errors import ConfigError
+
+FORMAT = "resumable-cache/1"
+META_KEY = b"resumable"
+CONFIG_FILE = "config.json"
+BLOCK_NAME = re.compile(r"^(\d{12})-(\d{12})\.arrow$")
+VALUE_COLUMN = "value"
+"""The single column of a block whose records are not dicts."""
+
+# Column kinds: how a column turns back into the values the map returned.
+ARRAY = "array"  # 1-d numpy array of numbers or bools -> list<dtype>, read back as a numpy array
+NUMPY = "numpy"  # numpy scalar -> column of that dtype, read back as a numpy scalar
+PYTHON = "python"  # int, float, bool, str, bytes, None, lists of those -> read back with to_pylist
+
+_PY_TYPES = {bool: pa.bool_(), int: pa.int64(), float: pa.float64(), str: pa.string(), bytes: pa.binary()}
+_PY_TAGS = {python_type.__name__: arrow_type for python_type, arrow_type in _PY_TYPES.items()}
+MAX_OPEN_BLOCKS = 4096
+"""Blocks kept open before the least recent is closed. An open block is a memory map plus a few
+Arrow objects (no decoded records), so random access over many blocks stays cheap."""
+
+
+def block_name(start: int, stop: int) -> str:
+    """The file name of the block holding records ``[start, stop)``."""
+    return f"{start:012d}-{stop:012d}.arrow"
+
+
+def _unsupported(key: str, value: Any, why: str = "") -> ConfigError:
+    where = f"field {key!r}" if key != VALUE_COLUMN else "record"
+    return ConfigError(
+        f"Cache: cannot store {where} of type {type(value).__name__} on disk{why}; supported: dicts of "
+        "1-d numeric numpy arrays, numpy scalars, int, float, bool, str, bytes, None and lists of those "
+        "(or one such value per record); use .cache() without a directory for other records"
+    )
+
+
+def _kind_of(key: str, value: Any) -> tuple[str, str]:
+    """``(kind, type tag)`` of one value; records of one block must agree per column."""
+    if isinstance(value, np.ndarray):
+        if value.ndim != 1 or value.dtype.kind not in "biuf":
+            raise _unsupported(key, value, f" (a {value.ndim}-d array of {value.dtype})")
+        return ARRAY, value.dtype.str
+    if isinstance(value, np.generic):
+        if value.dtype.kind not in "biuf":
+            raise _unsupported(key, value)
+        return NUMPY, value.dtype.str
+    if value is None:
+        return PYTHON, "none"
+    if type(value) in _PY_TYPES:
+        return PYTHON, type(value).__name__
+    if type(value) is list:
+        return PYTHON, "list"
+    if isinstance(value, (tuple, dict)):
+        raise _unsupported(key, value, " (tuples and nested dicts do not round-trip)")
+    raise _unsupported(key, value)
+
+
+def _column(key: str, kind: str, tag: str, values: list[Any]) -> pa.Array:
+    if kind == ARRAY:
+        dtype = np.dtype(tag)
+        lengths = np.fromiter((len(v) for v in values), dtype=np.int64, count=len(values))
+        offsets = np.zeros(len(values) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        flat = np.concatenate(values).astype(dtype, copy=False) if values else np.empty(0, dtype)
+        return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(flat))
+    if kind == NUMPY:
+        return pa.array(np.array(values, dtype=np.dtype(tag)))
+    try:
+        if tag in ("none", "list"):
+            return pa.array(values)
+        return pa.array(values, type=_PY_TAGS[tag])
+    except (pa.ArrowException, OverflowError) as error:
+        raise _unsupported(key, values[0], f": {error}") from error
+
+
+def encode_block(records: Sequence[Any]) -> pa.Table:
+    """An Arrow table holding ``records`` (all dicts with the same keys, or all plain values)."""
+    wrapped = not isinstance(records[0], dict)
+    rows = [{VALUE_COLUMN: r} for r in records] if wrapped else list(records)
+    keys = list(rows[0])
+    for key in keys:
+        if not isinstance(key, str):
+            raise ConfigError(f"Cache: record keys must be strings to be stored on disk, got {key!r}")
+    kinds: dict[str, list[str]] = {}
+    columns = []
+    for key in keys:
+        try:
+            values = [row[key] for row in rows]
+        except (KeyError, TypeError):
+            raise ConfigError(f"Cache: records of one block have different fields (first has {keys})") from None
+        found = {_kind_of(key, v) for v in values}
+        python_tags = {tag for kind, tag in found if kind == PYTHON}
+        if len(found) > 1 and not (len(python_tags) == len(found) and len(python_tags - {"none"}) <= 1):
+            raise ConfigError(f"Cache: field {key!r} mixes value types {sorted(found)}; it cannot be stored on disk")
+        kind, tag = next(iter(found)) if len(found) == 1 else (PYTHON, next(iter(python_tags - {"none"})))
+        kinds[key] = [kind, tag]
+        columns.append(_column(key, kind, tag, values))
+    for row in rows:
+        if len(row) != len(keys):
+            raise ConfigError(f"Cache: records of one block have different fields (first has {keys})")
+    meta = {"format": FORMAT, "wrapped": wrapped, "columns": kinds}
+    schema = pa.schema([pa.field(k, c.type) for k, c in zip(keys, columns)], metadata={META_KEY: json.dumps(meta)})
+    return pa.Table.from_arrays(columns, schema=schema)
+
+
+class BlockView:
+    """Records of one block, read from an Arrow table (memory-mapped when it came from disk)."""
+
+    def __init__(self, table: pa.Table) -> None:
+        meta = json.loads((table.schema.metadata or {}).get(META_KEY, b"{}"))
+        if meta.get("format") != FORMAT:
+            raise ValueError("not a resumable cache block")
+        table = table.combine_chunks()
+        self.num_rows = table.num_rows
+        self._wrapped = bool(meta["wrapped"])
+        self._getters: list[tuple[str, Callable[[int], Any]]] = []
+        for key, (kind, _tag) in meta["columns"].items():
+            column = table.column(key)
+            array = column.chunk(0) if column.num_chunks else pa.array([], type=column.type)
+            self._getters.append((key, _getter(kind, array)))
+
+    def record(self, row: int) -> Any:
+        if self._wrapped:
+            return self._getters[0][1](row)
+        return {key: get(row) for key, get in self._getters}
+
+
+def _getter(kind: str, array: pa.Array) -> Callable[[int], Any]:
+    if kind == ARRAY:
+        offsets = array.offsets.to_numpy()
+        values = array.values.to_numpy(zero_copy_only=False)
+
+        def get_array(row: int) -> np.ndarray:
+            return values[offsets[row] : offsets[row + 1]].copy()  # writable, like what the map made
+
+        return get_array
+    if kind == NUMPY:
+        return array.to_numpy(zero_copy_only=False).__getitem__  # zero-copy: numeric, no nulls
+
+    def get_python(row: int) -> Any:  # per row, so an open block holds no Python objects
+        return array[row].as_py()
+
+    return get_python
+
+
+class DiskStore:
+    """The block files of one fingerprint directory: find, read and write blocks."""
+
+    def __init__(self, root: str, length: int, block_size: int, config: dict[str, Any]) -> None:
+        """Create ``root`` and its ``config.json``; OSError when the directory is not writable."""
+        self.root = root
+        self.length = length
+        self.block_size = block_size
+        self._views: OrderedDict[int, BlockView] = OrderedDict()
+        os.makedirs(root, exist_ok=True)
+        config_path = os.path.join(root, CONFIG_FILE)
+        if not os.path.exists(config_path):
+            payload = json.dumps(config, sort_keys=True, indent=1).encode()
+            write_atomically(config_path, lambda out: out.write(payload))
+        self.known = self.scan()
+
+    def bounds(self, block: int) -> tuple[int, int]:
+        start = block * self.block_size
+        return start, min(start + self.block_size, self.length)
+
+    def scan(self) -> set[int]:
+        """Blocks present in the directory listing (temp files and foreign names ignored)."""
+        found = set()
+        for name in os.listdir(self.root):
+            match = BLOCK_NAME.match(name)
+            if match is None:
+                continue
+            start, stop = int(match.group(1)), int(match.group(2))
+            if start % self.block_size == 0 and (start, stop) == self.bounds(start // self.block_size):
+                found.add(start // self.block_size)
+        return found
+
+    def path(self, block: int) -> str:
+        return os.path.join(self.root, block_name(*self.bounds(block)))
+
+    def view(self, block: int) -> BlockView | None:
+        """The block's records if its file exists and is intact, else None (compute it)."""
+        view = self._views.get(block)
+        if view is not None:
+            self._views.move_to_end(block)
+            return view
+        try:
+            with pa.memory_map(self.path(block), "r") as source:
+                table = pa.ipc.open_file(source).read_all()
+            view = BlockView(table)
+        except (OSError, ValueError, KeyError, pa.ArrowException):
+            self.known.discard(block)
+            return None
+        start, stop = self.bounds(block)
+        if view.num_rows != stop - start:
+            self.known.discard(block)
+            return None
+        self.known.add(block)
+        self._views[block] = view
+        if len(self._views) > MAX_OPEN_BLOCKS:
+            self._views.popitem(last=False)
+        return view
+
+    def write(self, block: int, table: pa.Table) -> None:
+        """Put ``table`` in place atomically; OSError if the write fails (nothing is left)."""
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_file(sink, table.schema) as writer:
+            writer.write_table(table)
+        payload = sink.getvalue()
+        write_atomically(self.path(block), lambda out: out.write(payload))
+        self.known.add(block)

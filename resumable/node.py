@@ -111,6 +111,25 @@ class Node(Generic[T]):
     def _on_epoch_start(self) -> None:
         """Hook: clear per-epoch counters and buffers."""
 
+    # -- shutdown ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop every background thread and worker pool in this pipeline (prefetch, parallel
+        map). They also stop when garbage-collected; this makes it deterministic, e.g. when a
+        training loop ends early. Iterating afterwards continues after the last item handed out."""
+        self._shutdown()
+        if self.upstream is not None:
+            self.upstream.close()
+
+    def _shutdown(self) -> None:
+        """Hook: stop this node's own threads or pools."""
+
+    def __enter__(self) -> Node[T]:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     # -- provenance: lets buffering nodes store references instead of contents ----------------
 
     def last_key(self) -> RecordKey | None:

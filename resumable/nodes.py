@@ -6,6 +6,8 @@ from resumable.ops.cache import Cache
 from resumable.ops.filter import Filter
 from resumable.ops.map import IndexedMap, Map
 from resumable.ops.mix import Mix
+from resumable.ops.parallel_map import MapError, ParallelMap
+from resumable.ops.prefetch import Prefetch
 from resumable.ops.repeat import Repeat
 from resumable.order.shard import Shard
 from resumable.order.shuffle import Shuffle
@@ -23,9 +25,12 @@ __all__ = [
     "IndexedNode",
     "JsonlSource",
     "Map",
+    "MapError",
     "Mix",
     "Node",
     "Pack",
+    "ParallelMap",
+    "Prefetch",
     "Repeat",
     "Shard",
     "Shuffle",

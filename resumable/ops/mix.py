@@ -425,6 +425,11 @@ class Mix(Node[T]):
             values[name] = value
         return values
 
+    def close(self) -> None:
+        """Stop the background threads and pools of every component."""
+        for component in self.components.values():
+            component.close()
+
     def __repr__(self) -> str:
         inner = ", ".join(f"{name}: {node!r}" for name, node in self.components.items())
         return f"<Mix[{inner}]>"

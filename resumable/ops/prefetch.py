@@ -1,0 +1,218 @@
+"""Prefetch: run the upstream in a background thread, a bounded number of items ahead.
+
+The state is the state as of the last item handed to the consumer, never the producer's: the
+producer thread takes ``upstream.get_state()`` right after each item and sends it along with
+the item, and ``get_state()`` returns the one attached to the last item consumed. Items still
+in the queue when a state is taken are produced again after a restore.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import weakref
+from typing import Any, TypeVar
+
+from resumable.errors import ConfigError
+from resumable.node import Node, RecordKey
+from resumable.state import ENDED, KIND, STATE_VERSION, UPSTREAM, VERSION
+
+T = TypeVar("T")
+
+BUFFER_SIZE = "buffer_size"
+
+# How often (seconds) a blocked producer or consumer wakes up to check that its partner is
+# still there; only the latency of a shutdown depends on it, never the data.
+POLL_S = 0.05
+# How long the garbage-collection finalizer waits for a producer stuck inside a slow
+# ``next(upstream)``; explicit shutdowns wait for it to finish, as the upstream is reused.
+FINALIZER_JOIN_TIMEOUT_S = 10.0
+
+# Messages from the producer: (tag, payload, upstream state after it, upstream last_key after it).
+_ITEM = 0
+_ERROR = 1
+_END = 2
+
+
+def check_positive_int(kind: str, name: str, value: Any) -> int:
+    """Return ``value`` if it is a positive int (not a bool), else raise ConfigError."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{kind}: {name} must be a positive int, got {value!r}")
+    return value
+
+
+class _Producer:
+    """One run of the background thread. Holds no reference to the Prefetch node, so that an
+    abandoned node is garbage-collected and its finalizer can stop the thread."""
+
+    def __init__(self, upstream: Node[Any], buffer_size: int, lock: threading.Lock, name: str) -> None:
+        self.upstream = upstream
+        self.queue: queue.Queue[tuple[int, Any, dict[str, Any], RecordKey | None]] = queue.Queue(buffer_size)
+        self.stop_event = threading.Event()
+        self.lock = lock
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        upstream, lock = self.upstream, self.lock
+        while not self.stop_event.is_set():
+            with lock:
+                try:
+                    item = next(upstream)  # type: ignore[call-overload]
+                    tag = _ITEM
+                except StopIteration:
+                    item, tag = None, _END
+                except BaseException as error:  # noqa: BLE001 - handed to the consumer
+                    item, tag = error, _ERROR
+                state = upstream._state(progress=True)
+                key = upstream.last_key()
+            if not self._put((tag, item, state, key)) or tag == _END:
+                return
+            if tag == _ERROR and not isinstance(item, Exception):
+                return  # KeyboardInterrupt, SystemExit: nothing follows
+
+    def _put(self, message: tuple[int, Any, dict[str, Any], RecordKey | None]) -> bool:
+        """Put ``message`` in the queue, waiting while it is full; False if asked to stop."""
+        while not self.stop_event.is_set():
+            try:
+                self.queue.put(message, timeout=POLL_S)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def get(self) -> tuple[int, Any, dict[str, Any], RecordKey | None]:
+        """The next message, waiting for the producer."""
+        while True:
+            try:
+                return self.queue.get(timeout=POLL_S)
+            except queue.Empty:
+                if not self.thread.is_alive() and self.queue.empty():
+                    raise RuntimeError("the prefetch thread stopped without a final message") from None
+
+    def stop(self, join_timeout: float | None = None) -> None:
+        """Ask the thread to stop, drop what it produced, and wait for it to finish (at most
+        ``join_timeout`` seconds; not when called from the thread itself)."""
+        self.stop_event.set()
+        if self.thread is not threading.current_thread():
+            self.thread.join(join_timeout)
+        while True:
+            try:
+                self.queue.get_nowait()
+            except queue.Empty:
+                break
+
+
+class Prefetch(Node[T]):
+    """Run the upstream in a daemon thread, up to ``buffer_size`` items ahead of the consumer.
+
+    State: the upstream state as of the last item handed out (items in flight are produced
+    again after a restore). An exception raised by the upstream reaches the consumer, as the
+    same exception object, after the items produced before it. The thread starts lazily on
+    the first ``next()``, stops on ``set_state``, ``next_epoch``/``start_epoch``, ``close()``
+    and when the node is garbage-collected; it is a daemon thread.
+    """
+
+    def __init__(self, upstream: Node[T], buffer_size: int = 4) -> None:
+        super().__init__(upstream)
+        self.buffer_size = check_positive_int(self.kind, BUFFER_SIZE, buffer_size)
+        # Serialises the producer's next()/get_state() with fetch() from the consumer side.
+        self._lock = threading.Lock()
+        self._producer: _Producer | None = None
+        self._finalizer: weakref.finalize | None = None
+        # Upstream state and key as of the last item handed out; None: the live upstream's
+        # (no producer has run since the last restore or epoch start).
+        self._recorded: dict[str, Any] | None = None
+        self._recorded_key: RecordKey | None = None
+        self._exhausted = False
+
+    # -- iteration --------------------------------------------------------------------------
+
+    def _next(self) -> T:
+        if self._exhausted:
+            raise StopIteration
+        producer = self._producer
+        if producer is None:
+            producer = self._start()
+        tag, payload, state, key = producer.get()
+        self._recorded, self._recorded_key = state, key
+        if tag == _ITEM:
+            return payload  # type: ignore[no-any-return]
+        if tag == _END:
+            self._exhausted = True
+            self._stop()
+            raise StopIteration
+        if not isinstance(payload, Exception):
+            self._shutdown()
+        note = f"(raised by {self.upstream!r} in the {self.kind} thread)"
+        if note not in getattr(payload, "__notes__", ()):
+            payload.add_note(note)
+        raise payload
+
+    def _start(self) -> _Producer:
+        upstream: Node[Any] = self.upstream  # type: ignore[assignment]
+        if self._recorded is None:
+            self._recorded = upstream._state(progress=True)
+            self._recorded_key = upstream.last_key()
+        producer = _Producer(upstream, self.buffer_size, self._lock, f"resumable-{self.kind}")
+        self._producer = producer
+        self._finalizer = weakref.finalize(self, producer.stop, FINALIZER_JOIN_TIMEOUT_S)
+        return producer
+
+    def _stop(self) -> None:
+        """Stop the producer thread (if any) and drop the items it had queued."""
+        producer, self._producer = self._producer, None
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
+        if producer is not None:
+            producer.stop()
+
+    def _shutdown(self) -> None:
+        """Stop the producer thread and return the upstream, which ran ahead, to the last item
+        handed out, so that iterating on after a shutdown produces the dropped items again."""
+        running = self._producer is not None
+        self._stop()
+        if running and self._recorded is not None:
+            self.upstream._load(self._recorded, f"{self.kind} > {self.upstream.kind}")  # type: ignore[union-attr]
+
+
+    # -- epochs ---------------------------------------------------------------------------
+
+    def _begin_epoch(self, epoch: int | None) -> None:
+        self._stop()
+        super()._begin_epoch(epoch)
+        self._recorded, self._recorded_key = None, None
+        self._exhausted = False
+
+    # -- provenance -----------------------------------------------------------------------
+
+    def last_key(self) -> RecordKey | None:
+        if self._recorded is None:
+            return self.upstream.last_key()  # type: ignore[union-attr]
+        return self._recorded_key
+
+    def fetch(self, key: RecordKey) -> T:
+        with self._lock:
+            return self.upstream.fetch(key)  # type: ignore[union-attr]
+
+    # -- state ------------------------------------------------------------------------------
+
+    def _state(self, progress: bool) -> dict[str, Any]:
+        state: dict[str, Any] = {KIND: self.kind, VERSION: STATE_VERSION, **self._config()}
+        if not progress:
+            with self._lock:
+                state[UPSTREAM] = self.upstream._state(progress=False)  # type: ignore[union-attr]
+            return state
+        state[ENDED] = self._ended
+        recorded = self._recorded
+        if recorded is None:
+            recorded = self.upstream._state(progress=True)  # type: ignore[union-attr]
+        state[UPSTREAM] = recorded
+        return state
+
+    def _load(self, state: Any, path: str, progress: bool = True) -> None:
+        self._stop()
+        self._recorded, self._recorded_key = None, None
+        self._exhausted = False
+        super()._load(state, path, progress)

@@ -1,0 +1,253 @@
+"""ParallelMap: ordered results from a thread or process pool, exact resume with records in
+flight, errors naming the record's key, clean pool shutdown."""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+import resumable as rs
+from resumable import Node
+from resumable.ops.parallel_map import MapError, ParallelMap
+from tests.resume import check_resume, take
+
+N = 60
+
+
+# Module-level functions: process mode pickles them by reference.
+def square(x: int) -> int:
+    return x * x
+
+
+def jittery_square(x: int) -> int:
+    """Finishes out of order: later records often complete first."""
+    time.sleep(0.002 * ((x * 7) % 3))
+    return x * x
+
+
+def odd(x: int) -> bool:
+    return x % 2 == 1
+
+
+def fail_on_13(x: int) -> int:
+    if x == 13:
+        raise KeyError(f"no value for {x}")
+    return x
+
+
+def shifted(record: dict[str, Any]) -> dict[str, Any]:
+    return {"input_ids": record["input_ids"] + 1}
+
+
+def pool_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("resumable-ParallelMap")]
+
+
+def chain(mode: str, repeat: str = "", workers: int = 3) -> Node[Any]:
+    pipe: Node[Any] = rs.from_list(list(range(N))).shuffle(11)
+    if repeat == "before":
+        pipe = pipe.repeat()
+    pipe = pipe.prefetch(3).map(jittery_square, num_workers=workers, mode=mode).filter(odd)
+    if repeat == "after":
+        pipe = pipe.repeat()
+    return pipe.batch(4)
+
+
+@pytest.mark.parametrize("repeat", ["", "before", "after"])
+def test_thread_map_chain_resumes_exactly(repeat: str) -> None:
+    # 30 odd squares per epoch -> 8 batches (the last one short).
+    total = 20 if repeat else 8
+    for k in (0, 1, 4, 7, 8, 9, 15):
+        if k <= total:
+            check_resume(lambda: chain("thread", repeat), k, total)
+    check_resume(lambda: chain("thread", repeat), 2, total, k2=total - 1)
+
+
+def test_process_map_chain_resumes_exactly() -> None:
+    # Process pools take a fraction of a second to start: one chain, several checkpoints.
+    build = lambda: chain("process", "after", workers=2)  # noqa: E731
+    check_resume(build, 5, 20, k2=11)
+    check_resume(build, 8, 20)
+    gc.collect()
+
+
+def test_results_keep_the_upstream_order() -> None:
+    for mode in ("thread", "process"):
+        pipe = rs.from_list(list(range(40))).shuffle(2).map(jittery_square, num_workers=4, mode=mode)
+        plain = rs.from_list(list(range(40))).shuffle(2).map(jittery_square)
+        assert list(pipe) == list(plain)
+        pipe.close()
+
+
+def test_state_is_as_of_the_last_item_handed_out() -> None:
+    plain: Node[Any] = rs.from_list(list(range(N))).shuffle(3).filter(odd).repeat()
+    mapped = ParallelMap(rs.from_list(list(range(N))).shuffle(3).filter(odd).repeat(), square, num_workers=3)
+    assert mapped.get_state()["upstream"] == plain.get_state()
+    for count in range(70):
+        assert next(mapped) == square(next(plain))
+        assert mapped.get_state()["upstream"] == plain.get_state(), count
+        assert mapped.last_key() == plain.last_key()
+    mapped.close()
+
+
+def test_in_flight_window_is_bounded() -> None:
+    source = rs.from_list(list(range(100)))
+    pipe = ParallelMap(source, square, num_workers=3)
+    next(pipe)
+    assert source.position == 2 * 3  # read ahead by the window, not the whole epoch
+    assert pipe.get_state()["upstream"]["position"] == 1
+    pipe.close()
+    # close() returned the upstream to the last item handed out: nothing is lost.
+    assert source.position == 1
+    assert take(pipe, 3) == [1, 4, 9]
+    pipe.close()
+
+
+def test_end_of_epoch_and_next_epoch() -> None:
+    pipe = rs.from_list(list(range(10))).shuffle(1).map(square, num_workers=2)
+    plain = rs.from_list(list(range(10))).shuffle(1).map(square)
+    assert list(pipe) == list(plain)
+    assert pipe.get_state()["ended"] is True
+    with pytest.raises(StopIteration):
+        next(pipe)
+    assert list(pipe) == list(plain)  # the next epoch, in a new order
+    pipe.start_epoch(0)
+    plain.start_epoch(0)
+    assert take(pipe, 3) == take(plain, 3)
+    pipe.close()
+
+
+def test_pack_after_parallel_map_resumes_exactly() -> None:
+    docs = [{"input_ids": np.arange(n, dtype=np.int64) + 1000 * n} for n in range(1, 50)]
+
+    def build() -> Node[Any]:
+        pipe = rs.from_list(docs).shuffle(9).map(shifted, num_workers=3)
+        return pipe.filter(lambda r: len(r["input_ids"]) % 4 != 0).pack(24, strategy="best_fit", buffer_size=6)
+
+    def rows(pipe: Node[Any], count: int) -> list[Any]:
+        return [{k: np.asarray(v).tolist() for k, v in row.items()} for row in take(pipe, count)]
+
+    expected = rows(build(), 45)
+    for k in (0, 4, 13, 30):
+        pipe = build()
+        head = rows(pipe, k)
+        state = pipe.get_state()
+        pipe.close()
+        resumed = build()
+        resumed.set_state(state)
+        assert head + rows(resumed, 45 - k) == expected
+        resumed.close()
+
+
+def test_last_key_and_fetch_apply_fn() -> None:
+    pipe = rs.from_list(list(range(20))).shuffle(5).map(square, num_workers=2)
+    plain = rs.from_list(list(range(20))).shuffle(5).map(square)
+    assert pipe.last_key() is None
+    take(pipe, 6)
+    take(plain, 6)
+    assert pipe.last_key() == plain.last_key() == (0, 5)
+    assert pipe.fetch((0, 5)) == plain.fetch((0, 5))
+    assert pipe.fetch((2, 1)) == plain.fetch((2, 1))
+    pipe.close()
+
+
+# -- errors ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_fn_error_arrives_in_order_with_the_record_key(mode: str) -> None:
+    pipe = rs.from_list(list(range(20))).map(fail_on_13, num_workers=2, mode=mode)
+    assert take(pipe, 13) == list(range(13))
+    with pytest.raises(MapError) as info:
+        next(pipe)
+    error = info.value
+    assert isinstance(error, rs.ResumableError)
+    assert error.key == (0, 13)
+    assert "ParallelMap" in str(error) and "(0, 13)" in str(error) and "KeyError" in str(error)
+    assert isinstance(error.__cause__, KeyError)
+    # The failed record was consumed, as with a serial map; iteration goes on after it.
+    assert pipe.get_state()["upstream"]["position"] == 14
+    assert list(pipe) == list(range(14, 20))
+    pipe.close()
+
+
+def test_upstream_error_arrives_in_order_as_it_is() -> None:
+    pipe = rs.from_list(list(range(10))).map(fail_on_13).map(square, num_workers=2)
+    pipe2 = rs.from_list(list(range(20))).filter(lambda x: fail_on_13(x) >= 0).map(square, num_workers=2)
+    assert list(pipe) == [x * x for x in range(10)]
+    assert take(pipe2, 13) == [x * x for x in range(13)]
+    with pytest.raises(KeyError):
+        next(pipe2)
+    assert list(pipe2) == [x * x for x in range(14, 20)]
+    pipe.close()
+    pipe2.close()
+
+
+# -- shutdown -------------------------------------------------------------------------------
+
+
+def test_thread_pool_is_shut_down() -> None:
+    pipe = rs.from_list(list(range(100))).map(jittery_square, num_workers=3)
+    take(pipe, 5)
+    assert pool_threads()
+    pipe.close()
+    assert pool_threads() == []
+
+    def abandon() -> None:
+        take(rs.from_list(list(range(100))).map(square, num_workers=3).batch(2), 2)
+
+    abandon()
+    gc.collect()
+    assert pool_threads() == []
+
+
+def test_process_pool_is_shut_down() -> None:
+    with rs.from_list(list(range(100))).map(square, num_workers=2, mode="process") as pipe:
+        take(pipe, 5)
+        assert len(multiprocessing.active_children()) >= 2
+    assert multiprocessing.active_children() == []
+
+
+def test_process_pool_of_an_abandoned_pipeline_is_shut_down() -> None:
+    def abandon() -> None:
+        take(rs.from_list(list(range(100))).map(square, num_workers=2, mode="process").batch(2), 2)
+
+    abandon()
+    gc.collect()
+    assert multiprocessing.active_children() == []
+
+
+# -- validation -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("workers", [-1, 1.5, True, "2"])
+def test_num_workers_is_validated(workers: Any) -> None:
+    with pytest.raises(rs.ConfigError, match="num_workers"):
+        ParallelMap(rs.from_list([1]), square, num_workers=workers)
+
+
+def test_mode_and_fn_are_validated() -> None:
+    with pytest.raises(rs.ConfigError, match="mode"):
+        rs.from_list([1]).map(square, num_workers=2, mode="gpu")
+    with pytest.raises(rs.ConfigError, match="callable"):
+        ParallelMap(rs.from_list([1]), None, num_workers=2)  # type: ignore[arg-type]
+    with pytest.raises(rs.ConfigError, match="picklable"):
+        rs.from_list([1]).map(lambda x: x, num_workers=2, mode="process")
+
+
+def test_num_workers_may_change_across_a_restore() -> None:
+    pipe = rs.from_list(list(range(30))).shuffle(3).map(square, num_workers=4)
+    head = take(pipe, 7)
+    state = pipe.get_state()
+    pipe.close()
+    other = rs.from_list(list(range(30))).shuffle(3).map(square, num_workers=1)
+    other.set_state(state)
+    plain = rs.from_list(list(range(30))).shuffle(3).map(square)
+    assert head + list(other) == list(plain)
+    other.close()

@@ -11,8 +11,10 @@ from resumable.errors import ConfigError, ResumableError, SourceError, StateErro
 from resumable.node import IndexedNode, Node
 from resumable.ops.mix import mix
 from resumable.order.topology import Topology
+from resumable.sources.arrow import arrow, from_hf
 from resumable.sources.jsonl import jsonl
 from resumable.sources.memory import from_list
+from resumable.sources.parquet import parquet
 
 __version__ = "0.1.0"
 
@@ -24,10 +26,13 @@ __all__ = [
     "SourceError",
     "StateError",
     "Topology",
+    "arrow",
+    "from_hf",
     "from_list",
     "jsonl",
     "load_state",
     "mix",
     "nodes",
+    "parquet",
     "save_state",
 ]

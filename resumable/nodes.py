@@ -9,18 +9,24 @@ from resumable.ops.mix import Mix
 from resumable.ops.parallel_map import MapError, ParallelMap
 from resumable.ops.prefetch import Prefetch
 from resumable.ops.repeat import Repeat
+from resumable.order.block_shuffle import BlockShuffle
 from resumable.order.shard import Shard
 from resumable.order.shuffle import Shuffle
 from resumable.pack.node import Pack
+from resumable.sources.arrow import ArrowSource, HfSource
 from resumable.sources.jsonl import JsonlSource
 from resumable.sources.memory import FromList
+from resumable.sources.parquet import ParquetSource
 from resumable.sources.source import Source
 
 __all__ = [
+    "ArrowSource",
     "Batch",
+    "BlockShuffle",
     "Cache",
     "Filter",
     "FromList",
+    "HfSource",
     "IndexedMap",
     "IndexedNode",
     "JsonlSource",
@@ -30,6 +36,7 @@ __all__ = [
     "Node",
     "Pack",
     "ParallelMap",
+    "ParquetSource",
     "Prefetch",
     "Repeat",
     "Shard",

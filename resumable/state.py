@@ -81,12 +81,6 @@ def check_json(value: Any, path: str) -> None:
         raise StateError(f"{path}: state holds a {type(value).__name__}, only JSON types are allowed")
 
 
-def file_fingerprint(path: str) -> dict[str, Any]:
-    """Identify a file's content cheaply: its path, size and modification time in ns."""
-    info = os.stat(path)
-    return {"path": path, "size": info.st_size, "mtime_ns": info.st_mtime_ns}
-
-
 def _type_names(types: type | tuple[type, ...]) -> str:
     if isinstance(types, tuple):
         return " or ".join(t.__name__ for t in types)

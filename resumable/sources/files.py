@@ -40,6 +40,12 @@ def expand_paths(paths: Paths, kind: str) -> list[str]:
 Fingerprint = list  # [path, size, mtime_ns], JSON-friendly
 
 
+def fingerprint(path: str) -> Fingerprint:
+    """``[path, size, mtime_ns]``: identifies a file's content cheaply."""
+    info = os.stat(path)
+    return [path, info.st_size, info.st_mtime_ns]
+
+
 def check_fingerprints(saved: Any, current: list[Fingerprint], path: str) -> None:
     """Reject a state saved over other files. Names, sizes and mtimes must match; directories
     may differ, so a job that stages its data into a per-job directory still resumes."""

@@ -1,0 +1,233 @@
+"""Block shuffle: a locality-aware global shuffle for sources read in blocks (Parquet row groups).
+
+An epoch's order is built in two keyed steps, both bijections computed by arithmetic:
+
+1. **Blocks.** The upstream positions ``[0, N)`` are cut into blocks of consecutive records
+   (fixed ``block_size``, or the source's natural blocks, Parquet row groups). The blocks are
+   permuted with the keyed ``Permutation`` of ``(seed, epoch)``.
+2. **Windows.** The permuted blocks are grouped ``window`` at a time; the records of one
+   window (``window`` blocks, concatenated in permuted order) are permuted again with a
+   ``Permutation`` keyed by ``(seed, epoch, window index)``.
+
+Position ``p`` maps to ``(window, offset)``, the offset through the window's permutation to
+a record of one of the window's blocks, and the block back to its upstream records: O(1)
+random access, no array of size N. Reading a window touches only ``window`` blocks, so a
+Parquet source decodes each row group about once per epoch.
+
+With a fixed ``block_size`` the layout is pure arithmetic (O(1) memory): the full blocks are
+permuted and a last partial block, if any, stays in the last slot (its records are still
+mixed with the rest of the last window). With variable blocks (row groups) the permuted
+block starts are a table of one int per block, computed once per epoch.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, TypeVar, cast
+
+import numpy as np
+
+from resumable.errors import ConfigError
+from resumable.node import IndexedNode
+from resumable.order.lcg import Permutation, _splitmix64
+
+T = TypeVar("T")
+
+SEED = "seed"
+BLOCK_SIZE = "block_size"
+WINDOW = "window"
+
+ROW_GROUP = "row_group"
+"""``block_size`` value meaning the source's natural blocks (Parquet row groups)."""
+DEFAULT_BLOCK_SIZE = 1024
+"""Block size (records) for sources without natural blocks when none is given."""
+DEFAULT_WINDOW = 4
+"""Blocks whose records are mixed together when ``window`` is not given."""
+
+_WINDOW_CACHE = 8
+"""Per-window permutations kept (a chunk of positions spans one or two windows)."""
+_M63 = (1 << 63) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def _window_seed(seed: int, window: int) -> int:
+    """Seed of window ``window``'s permutation: a hash of ``(seed, window)``, distinct from
+    the block permutation's key."""
+    return _splitmix64((_splitmix64(seed) + (window + 1) * _GOLDEN) & ((1 << 64) - 1)) & _M63
+
+
+class BlockLayout:
+    """The block/window bijection of ``[0, N)`` for one ``seed``, evaluated per epoch.
+
+    Built either from a fixed ``block_size`` or from ``bounds`` (ascending block starts from 0,
+    ending with N, every block non-empty).
+    """
+
+    def __init__(
+        self, total: int, window: int, block_size: int | None = None, bounds: np.ndarray | None = None
+    ) -> None:
+        if (block_size is None) == (bounds is None):
+            raise ConfigError("BlockLayout: give exactly one of block_size and bounds")
+        self.total = total
+        self.window = window
+        self.block_size = block_size
+        if bounds is not None:
+            bounds = np.asarray(bounds, dtype=np.int64)
+            if bounds.size < 2 or bounds[0] != 0 or bounds[-1] != total or np.any(np.diff(bounds) <= 0):
+                raise ConfigError(f"BlockLayout: block bounds must rise strictly from 0 to {total}")
+        self.bounds = bounds
+        self._epoch_table: tuple[int, np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._windows: OrderedDict[tuple[int, int], Permutation] = OrderedDict()
+
+    @property
+    def num_blocks(self) -> int:
+        if self.bounds is not None:
+            return len(self.bounds) - 1
+        return -(-self.total // self.block_size)  # type: ignore[operator]
+
+    # -- variable blocks: a per-epoch table of permuted block starts --------------------------
+
+    def _table(self, seed: int, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(block starts in permuted order, slot starts, window starts)`` of ``epoch``."""
+        cached = self._epoch_table
+        if cached is not None and cached[0] == epoch:
+            return cached[1], cached[2], cached[3]
+        bounds = cast(np.ndarray, self.bounds)
+        blocks = len(bounds) - 1
+        order = Permutation(blocks, seed, epoch).take(np.arange(blocks, dtype=np.int64))
+        sizes = np.diff(bounds)[order]
+        slot_starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        window_starts = slot_starts[:: self.window]
+        if window_starts[-1] != self.total:
+            window_starts = np.append(window_starts, self.total)
+        block_starts = bounds[order]
+        self._epoch_table = (epoch, block_starts, slot_starts, window_starts)
+        return block_starts, slot_starts, window_starts
+
+    # -- the bijection --------------------------------------------------------------------------
+
+    def _window_permutation(self, seed: int, epoch: int, window: int, size: int) -> Permutation:
+        key = (epoch, window)
+        perm = self._windows.get(key)
+        if perm is None:
+            perm = Permutation(size, _window_seed(seed, window), epoch)
+            self._windows[key] = perm
+            while len(self._windows) > _WINDOW_CACHE:
+                self._windows.popitem(last=False)
+        else:
+            self._windows.move_to_end(key)
+        return perm
+
+    def take(self, positions: np.ndarray, seed: int, epoch: int) -> np.ndarray:
+        """Upstream positions of ``positions`` (int64 array in ``[0, N)``) in ``epoch``."""
+        positions = np.asarray(positions, dtype=np.int64)
+        if positions.size == 0:
+            return positions.copy()
+        if self.bounds is None:
+            span = self.block_size * self.window  # type: ignore[operator]
+            windows = positions // span
+            window_starts = None
+        else:
+            block_starts, slot_starts, window_starts = self._table(seed, epoch)
+            windows = np.searchsorted(window_starts, positions, side="right") - 1
+        within = np.empty_like(positions)
+        for w in np.unique(windows).tolist():
+            if window_starts is None:
+                start = w * span
+                size = min(span, self.total - start)
+            else:
+                start = int(window_starts[w])
+                size = int(window_starts[w + 1]) - start
+            selected = np.flatnonzero(windows == w)
+            perm = self._window_permutation(seed, epoch, w, size)
+            within[selected] = start + perm.take(positions[selected] - start)
+        # ``within`` is now an offset into the concatenation of the permuted blocks.
+        if self.bounds is None:
+            size = self.block_size
+            full = self.total // size  # type: ignore[operator]
+            slots, rows = np.divmod(within, size)
+            blocks = slots.copy()
+            permuted = slots < full
+            if full:
+                blocks[permuted] = Permutation(full, seed, epoch).take(slots[permuted])
+            return blocks * size + rows
+        slots = np.searchsorted(slot_starts, within, side="right") - 1
+        return block_starts[slots] + (within - slot_starts[slots])
+
+
+def _natural_bounds(upstream: IndexedNode[Any]) -> np.ndarray | None:
+    """The source's natural block bounds when ``upstream``'s positions are the source's
+    indices (the source itself, or serial maps over it); None otherwise."""
+    from resumable.ops.map import IndexedMap
+    from resumable.sources.source import Source
+
+    node: IndexedNode[Any] | None = upstream
+    while isinstance(node, IndexedMap):
+        node = node.upstream
+    if isinstance(node, Source):
+        bounds = getattr(node, "block_bounds", None)
+        if callable(bounds):
+            return np.asarray(bounds(), dtype=np.int64)
+    return None
+
+
+class BlockShuffle(IndexedNode[T]):
+    """Shuffle blocks of consecutive records, then records within windows of ``window`` blocks.
+
+    ``block_size``: records per block (int), or ``"row_group"`` / None for the source's natural
+    blocks (Parquet row groups; sources without natural blocks use ``DEFAULT_BLOCK_SIZE``,
+    and ``"row_group"`` over such a source is a ``ConfigError``). ``window``: blocks mixed
+    together (default ``DEFAULT_WINDOW``). A new order every epoch; the state is the options
+    and the cursor.
+    """
+
+    def __init__(
+        self, upstream: IndexedNode[T], seed: int = 0, block_size: int | str | None = None, window: int | None = None
+    ) -> None:
+        super().__init__(upstream)
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ConfigError(f"{self.kind}: seed must be a non-negative int, got {seed!r}")
+        if window is None:
+            window = DEFAULT_WINDOW
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ConfigError(f"{self.kind}: window must be an int >= 1, got {window!r}")
+        total = len(upstream)
+        bounds = None
+        if block_size is None or block_size == ROW_GROUP:
+            bounds = _natural_bounds(upstream)
+            if bounds is None:
+                if block_size == ROW_GROUP:
+                    raise ConfigError(
+                        f"{self.kind}: block_size='row_group' needs a source with row groups directly "
+                        f"upstream (Parquet row groups, Arrow record batches; maps may come between), got {upstream!r}"
+                    )
+                block_size = DEFAULT_BLOCK_SIZE
+            else:
+                block_size = ROW_GROUP
+        elif isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ConfigError(f"{self.kind}: block_size must be an int >= 1 or 'row_group', got {block_size!r}")
+        self.seed = seed
+        self.block_size: int | str = block_size
+        self.window = window
+        if bounds is not None:
+            self._layout = BlockLayout(total, window, bounds=bounds)
+        else:
+            self._layout = BlockLayout(total, window, block_size=int(block_size))
+        reserve = getattr(upstream.leaf, "reserve_cache", None)
+        if bounds is not None and callable(reserve):
+            # A chunk of positions may straddle two windows: keep both windows' blocks.
+            reserve(2 * window)
+
+    def __len__(self) -> int:
+        return len(self.upstream)  # type: ignore[arg-type]
+
+    @property
+    def num_blocks(self) -> int:
+        return self._layout.num_blocks
+
+    def _leaf_indices(self, positions: np.ndarray, epoch: int) -> np.ndarray:
+        upstream_positions = self._layout.take(positions, self.seed, epoch)
+        return self.upstream._leaf_indices(upstream_positions, epoch)  # type: ignore[union-attr]
+
+    def _config(self) -> dict[str, Any]:
+        return {SEED: self.seed, BLOCK_SIZE: self.block_size, WINDOW: self.window}

@@ -1,0 +1,232 @@
+"""Arrow sources: memory-mapped Arrow IPC files and Hugging Face ``datasets.Dataset``.
+
+* ``rs.arrow(paths)`` reads Arrow IPC files in the file format (``.arrow`` / ``.feather`` v2)
+  or the streaming format (what Hugging Face ``datasets`` writes) through ``pa.memory_map``:
+  record batches are zero-copy views of the page cache, their row offsets are computed once
+  at construction, and record ``i`` is ``(batch, row)``, taken by random access in O(1).
+* ``rs.from_hf(dataset)`` reads a map-style ``datasets.Dataset`` without copying it: the
+  dataset's own memory-mapped Arrow table and its indices mapping (after ``select``,
+  ``shuffle``, ``filter``), so record ``i`` equals ``dataset[i]`` (as Python objects).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from resumable.errors import ConfigError, SourceError, StateError
+from resumable.sources.files import Paths, expand_paths
+from resumable.sources.files import Fingerprint, check_fingerprints, fingerprint
+from resumable.sources.parquet import FILES, group_take
+from resumable.sources.source import Source
+from resumable.state import require
+
+FINGERPRINT = "fingerprint"
+"""State key of a Hugging Face dataset's ``_fingerprint`` (changes with every transform)."""
+
+
+def _read_batches(path: str, kind: str) -> list[pa.RecordBatch]:
+    """Record batches of an Arrow IPC file (file or streaming format), memory-mapped."""
+    try:
+        source = pa.memory_map(path, "r")
+    except (pa.ArrowException, OSError) as error:
+        raise SourceError(f"{kind}: cannot open {path!r}: {error}") from error
+    try:
+        reader = pa.ipc.open_file(source)
+        return [reader.get_batch(i) for i in range(reader.num_record_batches)]
+    except pa.ArrowInvalid:
+        pass
+    try:
+        source.seek(0)
+        return list(pa.ipc.open_stream(source))
+    except (pa.ArrowException, OSError) as error:
+        raise SourceError(f"{kind}: {path!r} is neither an Arrow IPC file nor an Arrow IPC stream: {error}") from error
+
+
+def _offsets(counts: Sequence[int]) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(np.asarray(counts, dtype=np.int64))]).astype(np.int64)
+
+
+class ArrowSource(Source[dict[str, Any]]):
+    """Rows (as dicts) of one or more Arrow IPC files, in file order then row order.
+
+    Both IPC formats are read through memory maps. Missing files, globs that match nothing,
+    files that are not Arrow IPC and a total of zero rows raise ``SourceError`` at
+    construction. The state holds each file's name, size and mtime: resuming over changed
+    files is a ``StateError``. Pickles without memory maps (reopened lazily).
+    """
+
+    def __init__(self, paths: Paths) -> None:
+        super().__init__()
+        self.paths = expand_paths(paths, self.kind)
+        self._fingerprints = [fingerprint(p) for p in self.paths]
+        batches = self._open()
+        self._batch_starts = _offsets([batch.num_rows for batch in batches])
+        self._total = int(self._batch_starts[-1])
+        if self._total == 0:
+            raise SourceError(f"{self.kind}: no rows in {', '.join(self.paths)} (empty files)")
+        self._batches: list[pa.RecordBatch] | None = batches
+
+    def _open(self) -> list[pa.RecordBatch]:
+        batches: list[pa.RecordBatch] = []
+        for path in self.paths:
+            batches.extend(_read_batches(path, self.kind))
+        return batches
+
+    def __len__(self) -> int:
+        return self._total
+
+    def block_bounds(self) -> np.ndarray:
+        """Global index of the first row of every record batch, then the total (empty batches
+        dropped): the natural blocks of a block shuffle."""
+        return np.unique(self._batch_starts)
+
+    # -- state --------------------------------------------------------------------------------
+
+    def _state(self, progress: bool) -> dict[str, Any]:
+        return {**super()._state(progress), FILES: self._fingerprints}
+
+    def _check_config(self, state: dict[str, Any], path: str) -> None:
+        super()._check_config(state, path)
+        check_fingerprints(require(state, FILES, list, path), self._fingerprints, path)
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def _batch(self, index: int) -> pa.RecordBatch:
+        batches = self._batches
+        if batches is None:  # reopened after pickling into a DataLoader worker
+            for path, expected in zip(self.paths, self._fingerprints):
+                if fingerprint(path)[1:] != expected[1:]:
+                    raise SourceError(f"{self.kind}: file {path!r} changed since the pipeline was built")
+            batches = self._batches = self._open()
+        return batches[index]
+
+    def _raw_range(self, start: int, count: int) -> Sequence[dict[str, Any]]:
+        index = int(np.searchsorted(self._batch_starts, start, side="right")) - 1
+        row = start - int(self._batch_starts[index])
+        batch = self._batch(index)
+        return batch.slice(row, min(count, batch.num_rows - row)).to_pylist()  # type: ignore[no-any-return]
+
+    def _raw_at(self, indices: np.ndarray) -> Sequence[dict[str, Any]]:
+        return group_take(indices, self._batch_starts, self._batch)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_batches"] = None
+        return state
+
+
+class HfSource(Source[dict[str, Any]]):
+    """Rows of a map-style Hugging Face ``datasets.Dataset``, read from its Arrow table.
+
+    Record ``i`` equals ``dataset[i]`` with the dataset's format ignored (Python objects;
+    features that need decoding, images or audio, are decoded like ``dataset[i]`` does). The
+    dataset's indices mapping (``select``, ``shuffle``, ``filter``) is honoured without
+    flattening it. The state holds the dataset's fingerprint and its cache files' names, sizes
+    and mtimes: resuming over another dataset or changed files is a ``StateError``.
+    """
+
+    def __init__(self, dataset: Any) -> None:
+        super().__init__()
+        try:
+            import datasets
+        except ImportError as error:  # pragma: no cover - datasets is an optional dependency
+            raise ConfigError(f"{self.kind}: from_hf needs the 'datasets' package") from error
+        if not isinstance(dataset, datasets.Dataset):
+            raise ConfigError(
+                f"{self.kind}: expected a map-style datasets.Dataset, got {type(dataset).__name__} "
+                "(pick a split of a DatasetDict; IterableDataset has no random access)"
+            )
+        self.dataset = dataset
+        self._fingerprint: str = str(dataset._fingerprint)
+        self._fingerprints: list[Fingerprint] = [
+            fingerprint(entry["filename"]) for entry in dataset.cache_files if os.path.exists(entry["filename"])
+        ]
+        self._total = len(dataset)
+        if self._total == 0:
+            raise SourceError(f"{self.kind}: dataset {self._fingerprint} has no rows")
+        self._batches: list[pa.RecordBatch] | None = None
+        self._rows: np.ndarray | None = None
+        self._open_table()
+        features = dataset.features
+        from datasets.features.features import require_decoding
+
+        self._features_decode: Callable[[Any], Any] | None = (
+            features.decode_example if any(require_decoding(f) for f in features.values()) else None
+        )
+
+    def _open_table(self) -> None:
+        """Record batches of the dataset's table and its indices mapping (zero-copy views)."""
+        table: pa.Table = self.dataset.data.table
+        self._batches = [batch for batch in table.to_batches() if batch.num_rows]
+        self._batch_starts = _offsets([batch.num_rows for batch in self._batches])
+        mapping = self.dataset._indices
+        self._rows = None if mapping is None else mapping.column(0).to_numpy().astype(np.int64, copy=False)
+
+    def __len__(self) -> int:
+        return self._total
+
+    # -- state --------------------------------------------------------------------------------
+
+    def _config(self) -> dict[str, Any]:
+        return {FINGERPRINT: self._fingerprint}
+
+    def _state(self, progress: bool) -> dict[str, Any]:
+        return {**super()._state(progress), FILES: self._fingerprints}
+
+    def _check_config(self, state: dict[str, Any], path: str) -> None:
+        saved = state.get(FINGERPRINT)
+        if saved != self._fingerprint:
+            raise StateError(
+                f"{path}: state was saved over dataset fingerprint {saved!r}, this dataset is {self._fingerprint!r}"
+            )
+        check_fingerprints(require(state, FILES, list, path), self._fingerprints, path)
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def _batch(self, index: int) -> pa.RecordBatch:
+        if self._batches is None:
+            self._open_table()
+        return self._batches[index]  # type: ignore[index]
+
+    def _table_rows(self, indices: np.ndarray) -> np.ndarray:
+        if self._batches is None:
+            self._open_table()
+        return indices if self._rows is None else self._rows[indices]
+
+    def _raw_range(self, start: int, count: int) -> Sequence[dict[str, Any]]:
+        if self._batches is None:
+            self._open_table()
+        if self._rows is not None:
+            return self._raw_at(np.arange(start, start + count, dtype=np.int64))
+        index = int(np.searchsorted(self._batch_starts, start, side="right")) - 1
+        row = start - int(self._batch_starts[index])
+        batch = self._batch(index)
+        return batch.slice(row, min(count, batch.num_rows - row)).to_pylist()  # type: ignore[no-any-return]
+
+    def _raw_at(self, indices: np.ndarray) -> Sequence[dict[str, Any]]:
+        return group_take(self._table_rows(indices), self._batch_starts, self._batch)
+
+    def _decoder(self) -> Callable[[Any], Any] | None:
+        return self._features_decode
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_batches"] = None
+        state["_rows"] = None
+        return state
+
+
+def arrow(paths: Paths) -> ArrowSource:
+    """A source over Arrow IPC files (file or streaming format): a path, a glob, or a list of
+    them (globs sorted). Records are dicts."""
+    return ArrowSource(paths)
+
+
+def from_hf(dataset: Any) -> HfSource:
+    """A source over a map-style Hugging Face ``datasets.Dataset``, read from its memory-mapped
+    Arrow table without copying; record ``i`` equals ``dataset[i]``."""
+    return HfSource(dataset)

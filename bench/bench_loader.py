@@ -29,6 +29,7 @@ from resumable.pack import collate_rows  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "corpus-100mb.jsonl")
 SEQ_LEN = 2048
+SPARSE = "rs.torch.Loader, snapshot_every_n_steps=8"
 BATCH = 8
 
 
@@ -91,6 +92,9 @@ def main() -> None:
         stateful = rst.Loader(build, num_workers=args.workers, prefetch_factor=4)
         seconds, _ = time_loop(stateful, args.batches, take_state=False)
         best["rs.torch.Loader"] = min(best.get("rs.torch.Loader", seconds), seconds)
+        sparse = rst.Loader(build, num_workers=args.workers, prefetch_factor=4, snapshot_every_n_steps=8)
+        seconds, _ = time_loop(sparse, args.batches, take_state=False)
+        best[SPARSE] = min(best.get(SPARSE, seconds), seconds)
         stateful = rst.Loader(build, num_workers=args.workers, prefetch_factor=4)
         seconds, in_state = time_loop(stateful, args.batches, take_state=True)
         best["rs.torch.Loader + state_dict() every step"] = min(
@@ -101,9 +105,9 @@ def main() -> None:
     tokens = args.batches * BATCH * SEQ_LEN
     base = best["plain DataLoader"]
     print(f"{args.batches} batches of {BATCH} x {SEQ_LEN} tokens, {args.workers} workers, best of {args.repeats}")
-    print(f"{'loop':<44}{'batches/s':>11}{'Mtok/s':>9}{'ratio':>8}")
+    print(f"{'loop':<46}{'batches/s':>11}{'Mtok/s':>9}{'ratio':>8}")
     for name, seconds in best.items():
-        print(f"{name:<44}{args.batches / seconds:>11.1f}{tokens / seconds / 1e6:>9.2f}{base / seconds:>8.2f}")
+        print(f"{name:<46}{args.batches / seconds:>11.1f}{tokens / seconds / 1e6:>9.2f}{base / seconds:>8.2f}")
     per_call, per_step = min(state_cost)
     print(f"\nstate_dict() per step: {per_call * 1e6:.0f} us of a {per_step * 1e3:.2f} ms step = {100 * per_call / per_step:.2f}%")
 

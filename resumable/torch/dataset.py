@@ -2,16 +2,44 @@
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any, Callable, Union
 
 from torch.utils.data import IterableDataset, get_worker_info
 
-from resumable.errors import ConfigError
+from resumable.errors import ConfigError, StateError
 from resumable.node import Node
 from resumable.order.topology import distributed_rank, inherit_rank
 
 PipelineOrFactory = Union[Node[Any], Callable[[], Node[Any]]]
+
+# Key of the JSON-encoded pipeline state in what a worker reports with each batch.
+PIPELINE = "pipeline"
+
+
+class WorkerIterator:
+    """What ``iter(PipelineDataset)`` returns: the pipeline, whose state it reports as one
+    JSON string. StatefulDataLoader diffs, copies and ships a worker's state with every
+    batch; a string leaf makes that O(1) however large the state (packer references)."""
+
+    def __init__(self, pipeline: Node[Any]) -> None:
+        self.pipeline = pipeline
+
+    def __iter__(self) -> WorkerIterator:
+        return self
+
+    def __next__(self) -> Any:
+        return next(self.pipeline)
+
+    def state_dict(self) -> dict[str, str]:
+        return {PIPELINE: json.dumps(self.pipeline.get_state(), separators=(",", ":"))}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        encoded = state_dict.get(PIPELINE) if isinstance(state_dict, dict) else None
+        if not isinstance(encoded, str):
+            raise StateError(f"PipelineDataset: expected {{{PIPELINE!r}: <JSON string>}}, got {state_dict!r:.200}")
+        self.pipeline.set_state(json.loads(encoded))
 
 
 class PipelineDataset(IterableDataset):  # type: ignore[type-arg]
@@ -25,7 +53,7 @@ class PipelineDataset(IterableDataset):  # type: ignore[type-arg]
     before workers start, by ``rs.torch.Loader`` or by ``set_epoch``); each later ``iter()``
     starts the epoch set since, or else the next one. So fresh workers, persistent workers
     (which keep their own copy of this object) and the main process all shuffle anew each epoch.
-    ``iter()`` returns the pipeline itself: its ``state_dict()`` is what a
+    ``iter()`` returns a ``WorkerIterator`` over the pipeline: its ``state_dict()`` is what a
     ``StatefulDataLoader`` snapshots in each worker with every batch.
     """
 
@@ -58,7 +86,7 @@ class PipelineDataset(IterableDataset):  # type: ignore[type-arg]
             self._pipeline = built
         return self._pipeline
 
-    def __iter__(self) -> Node[Any]:
+    def __iter__(self) -> WorkerIterator:
         if get_worker_info() is not None:
             inherit_rank(*self.rank)
         pipe = self.pipeline
@@ -69,7 +97,7 @@ class PipelineDataset(IterableDataset):  # type: ignore[type-arg]
             epoch = started[2] + 1
         pipe.start_epoch(epoch)
         self._started = (pid, self.epoch, epoch)
-        return pipe
+        return WorkerIterator(pipe)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

@@ -29,7 +29,7 @@ from resumable.pack import collate_rows  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "corpus-100mb.jsonl")
 SEQ_LEN = 2048
-SPARSE = "rs.torch.Loader, snapshot_every_n_steps=8"
+SPARSE = "rs.torch.Loader, snapshot_every_n_steps=1"
 BATCH = 8
 
 
@@ -92,7 +92,7 @@ def main() -> None:
         stateful = rst.Loader(build, num_workers=args.workers, prefetch_factor=4)
         seconds, _ = time_loop(stateful, args.batches, take_state=False)
         best["rs.torch.Loader"] = min(best.get("rs.torch.Loader", seconds), seconds)
-        sparse = rst.Loader(build, num_workers=args.workers, prefetch_factor=4, snapshot_every_n_steps=8)
+        sparse = rst.Loader(build, num_workers=args.workers, prefetch_factor=4, snapshot_every_n_steps=1)
         seconds, _ = time_loop(sparse, args.batches, take_state=False)
         best[SPARSE] = min(best.get(SPARSE, seconds), seconds)
         stateful = rst.Loader(build, num_workers=args.workers, prefetch_factor=4)

@@ -53,6 +53,7 @@ CONFIGS = [
     {"num_workers": 2, "prefetch_factor": 1, "persistent_workers": True},
     {"num_workers": 3, "prefetch_factor": 4, "persistent_workers": True},
     {"num_workers": 3, "prefetch_factor": 1},
+    {"num_workers": 2, "prefetch_factor": 2, "snapshot_every_n_steps": 1},
     {"num_workers": 2, "prefetch_factor": 2, "snapshot_every_n_steps": 4},
 ]
 

@@ -22,6 +22,7 @@ RANK = "rank"
 WORLD_SIZE = "world_size"
 NUM_WORKERS = "num_workers"
 LOADER = "loader"
+SNAPSHOT_EVERY = 16
 
 
 class Loader(StatefulDataLoader):
@@ -35,8 +36,10 @@ class Loader(StatefulDataLoader):
     makes that cost nothing (``python -m resumable inspect`` decodes them). Each ``iter()`` that does not follow a
     ``load_state_dict`` starts a new epoch (a new shuffle order in every worker).
 
-    Workers send their state with every batch (``snapshot_every_n_steps=1``). A larger value
-    makes that cheaper; a restore then replays up to that many batches, still exactly.
+    Workers send their pipeline state with every ``snapshot_every_n_steps``-th batch (16 by
+    default: taking it with every batch cost about 15% of throughput on 2 cores). A restore
+    starts from the last snapshot and replays the batches handed out since (at most 15),
+    so it is still exact and its cost stays bounded; 1 makes restores replay nothing.
 
     Workers ignore SIGTERM (``workers_ignore_sigterm``): a scheduler that preempts a job sends
     it to every process, and the trainer, not its workers, decides when to stop, typically
@@ -57,7 +60,7 @@ class Loader(StatefulDataLoader):
         multiprocessing_context: Any = None,
         worker_init_fn: Callable[[int], None] | None = None,
         workers_ignore_sigterm: bool = True,
-        snapshot_every_n_steps: int = 1,
+        snapshot_every_n_steps: int = SNAPSHOT_EVERY,
     ) -> None:
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
             raise ConfigError(f"Loader: num_workers must be a non-negative int, got {num_workers!r}")

@@ -28,6 +28,7 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.timing import best_of, drain  # noqa: E402
 from resumable.sources.parquet import parquet  # noqa: E402
 
 DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
@@ -75,24 +76,6 @@ def bare_loop(path: str) -> int:
     return count
 
 
-def drain(pipe: Any) -> int:
-    count = 0
-    for _ in pipe:
-        count += 1
-    return count
-
-
-def best_of(repeats: int, runs: dict[str, Callable[[], int]]) -> dict[str, tuple[float, int]]:
-    """Best wall time of each run, interleaved so machine noise hits all of them alike."""
-    best: dict[str, tuple[float, int]] = {}
-    for _ in range(repeats):
-        for name, run in runs.items():
-            start = time.perf_counter()
-            count = run()
-            elapsed = time.perf_counter() - start
-            if name not in best or elapsed < best[name][0]:
-                best[name] = (elapsed, count)
-    return best
 
 
 def resume_latency(build: Callable[[], Any], position: int) -> float:

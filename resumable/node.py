@@ -91,6 +91,11 @@ class Node(Generic[T]):
     def _next(self) -> T:
         raise NotImplementedError
 
+    @property
+    def ended(self) -> bool:
+        """Whether this node has signalled the end of its current epoch (StopIteration)."""
+        return self._ended
+
     def next_epoch(self) -> None:
         """Start the next epoch: a full new pass, in a new shuffle order."""
         self._begin_epoch(None)

@@ -53,7 +53,9 @@ def test_restored_end_of_epoch_finishes_that_epoch_first() -> None:
     state = pipe.get_state()
     resumed = rs.from_list(list(range(4))).shuffle(2)
     resumed.set_state(state)
+    assert not resumed.ended and not pipe.ended
     assert list(resumed) == [] and list(pipe) == []
+    assert resumed.ended and pipe.ended
     assert list(resumed) == list(pipe)
     assert sorted(items) == [0, 1, 2, 3]
 

@@ -150,3 +150,25 @@ def test_invalid_arguments() -> None:
         Loader(build, num_workers=-1)
     with pytest.raises(rs.ConfigError, match="expected a pipeline or a function"):
         PipelineDataset(3)  # type: ignore[arg-type]
+
+
+def test_state_of_another_pipeline_is_a_state_error_naming_the_node() -> None:
+    def other() -> rs.Node:  # build() with another seed
+        return (
+            rs.from_list(list(range(97)))
+            .shuffle(seed=6)
+            .shard()
+            .map(lambda x: x * 3)
+            .filter(lambda x: x % 7 != 0)
+            .batch(4, collate_fn=np.array)
+        )
+
+    for num_workers in (0, 2):
+        loader = make({"num_workers": num_workers, "snapshot_every_n_steps": 1})
+        iterator = iter(loader)
+        next(iterator)
+        state = loader.state_dict()
+        wrong = Loader(other, num_workers=num_workers)
+        wrong.load_state_dict(state)
+        with pytest.raises(rs.StateError, match="Batch > Filter > IndexedMap > Shard > Shuffle: state was saved with seed=5, this pipeline has seed=6"):
+            next(iter(wrong))

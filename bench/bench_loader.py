@@ -109,7 +109,8 @@ def main() -> None:
     for name, seconds in best.items():
         print(f"{name:<46}{args.batches / seconds:>11.1f}{tokens / seconds / 1e6:>9.2f}{base / seconds:>8.2f}")
     per_call, per_step = min(state_cost)
-    print(f"\nstate_dict() per step: {per_call * 1e6:.0f} us of a {per_step * 1e3:.2f} ms step = {100 * per_call / per_step:.2f}%")
+    share = 100 * per_call / per_step
+    print(f"\nstate_dict() per step: {per_call * 1e6:.0f} us of a {per_step * 1e3:.2f} ms step = {share:.2f}%")
 
 
 if __name__ == "__main__":

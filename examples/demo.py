@@ -74,7 +74,9 @@ def compare(reference: Path, interrupted: Path) -> tuple[bool, bool]:
     same_batches = (reference / "batches.log").read_text() == (interrupted / "batches.log").read_text()
     weights_a = torch.load(reference / "final.pt", weights_only=True)
     weights_b = torch.load(interrupted / "final.pt", weights_only=True)
-    same_weights = weights_a.keys() == weights_b.keys() and all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
+    same_weights = weights_a.keys() == weights_b.keys() and all(
+        torch.equal(weights_a[k], weights_b[k]) for k in weights_a
+    )
     return same_batches, same_weights
 
 

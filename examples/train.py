@@ -81,7 +81,9 @@ class TinyLM(torch.nn.Module):
         super().__init__()
         self.embed = torch.nn.Embedding(256, width)
         self.position = torch.nn.Embedding(seq_len, width)
-        self.block = torch.nn.TransformerEncoderLayer(width, nhead=4, dim_feedforward=2 * width, dropout=0.0, batch_first=True)
+        self.block = torch.nn.TransformerEncoderLayer(
+            width, nhead=4, dim_feedforward=2 * width, dropout=0.0, batch_first=True
+        )
         self.head = torch.nn.Linear(width, 256)
         self.register_buffer("mask", torch.nn.Transformer.generate_square_subsequent_mask(seq_len), persistent=False)
 

@@ -151,7 +151,8 @@ def _progress_table(found: list[Found]) -> list[str]:
         length = cursor.get("length", 0)
         progress = f"{100 * cursor['position'] / length:.1f}%" if length else "-"
         rows.append(
-            f"{_consumer_label(item):<28}{cursor['epoch']:>7}{cursor['position']:>12,}{length:>12,}{progress:>10}  {ended}"
+            f"{_consumer_label(item):<28}{cursor['epoch']:>7}{cursor['position']:>12,}{length:>12,}"
+            f"{progress:>10}  {ended}"
         )
     return rows
 

@@ -69,7 +69,9 @@ class Node(Generic[T]):
 
     def __init__(self, upstream: Node[Any] | None = None) -> None:
         if upstream is not None and not isinstance(upstream, Node):
-            raise ConfigError(f"{type(self).__name__}: upstream must be a resumable node, got {type(upstream).__name__}")
+            raise ConfigError(
+                f"{type(self).__name__}: upstream must be a resumable node, got {type(upstream).__name__}"
+            )
         self.upstream = upstream
         self._ended = False
 

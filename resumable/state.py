@@ -8,7 +8,6 @@ upstream's state under ``UPSTREAM``. Errors name the node's path in the pipeline
 
 from __future__ import annotations
 
-import os
 from typing import Any, Mapping
 
 from resumable.errors import StateError

@@ -66,7 +66,8 @@ def test_torch_checkpoint_holds_model_optimiser_and_data_state(tmp_path: Path) -
     optimiser.step()
     pipe = pipeline()
     take(pipe, 2)
-    rst.save({"model": model.state_dict(), "optimiser": optimiser.state_dict(), "data": pipe.get_state()}, tmp_path / "c.pt")
+    checkpoint = {"model": model.state_dict(), "optimiser": optimiser.state_dict(), "data": pipe.get_state()}
+    rst.save(checkpoint, tmp_path / "c.pt")
     loaded = rst.load(tmp_path / "c.pt")  # weights_only=True: nothing unpickled
     assert loaded["data"] == pipe.get_state()
     assert torch.equal(loaded["model"]["weight"], model.state_dict()["weight"])

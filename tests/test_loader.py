@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -14,10 +15,10 @@ from resumable.torch import Loader, PipelineDataset
 EPOCHS = 2
 
 
-def build() -> rs.Node:
+def build(seed: int = 5) -> rs.Node:
     return (
         rs.from_list(list(range(97)))
-        .shuffle(seed=5)
+        .shuffle(seed=seed)
         .shard()
         .map(lambda x: x * 3)
         .filter(lambda x: x % 7 != 0)
@@ -153,22 +154,28 @@ def test_invalid_arguments() -> None:
 
 
 def test_state_of_another_pipeline_is_a_state_error_naming_the_node() -> None:
-    def other() -> rs.Node:  # build() with another seed
-        return (
-            rs.from_list(list(range(97)))
-            .shuffle(seed=6)
-            .shard()
-            .map(lambda x: x * 3)
-            .filter(lambda x: x % 7 != 0)
-            .batch(4, collate_fn=np.array)
-        )
-
     for num_workers in (0, 2):
         loader = make({"num_workers": num_workers, "snapshot_every_n_steps": 1})
         iterator = iter(loader)
         next(iterator)
         state = loader.state_dict()
-        wrong = Loader(other, num_workers=num_workers)
+        wrong = Loader(functools.partial(build, seed=6), num_workers=num_workers)
         wrong.load_state_dict(state)
-        with pytest.raises(rs.StateError, match="Batch > Filter > IndexedMap > Shard > Shuffle: state was saved with seed=5, this pipeline has seed=6"):
+        message = "Batch > Filter > IndexedMap > Shard > Shuffle: state was saved with seed=5, this pipeline has seed=6"
+        with pytest.raises(rs.StateError, match=message):
             next(iter(wrong))
+
+
+@pytest.mark.parametrize("persistent_workers", [False, True])
+def test_close_stops_the_workers_and_the_next_iter_continues(persistent_workers: bool) -> None:
+    config = {"num_workers": 2, "persistent_workers": persistent_workers}
+    expected, _ = train(make(config))
+    with make(config) as loader:
+        iterator = iter(loader)
+        head = [(0, as_lists(next(iterator))) for _ in range(6)]
+        workers = list(iterator._workers)
+        loader.close()
+        assert not any(worker.is_alive() for worker in workers)
+        loader.close()  # closing twice is harmless
+        tail, _ = train(loader, resumed=True)
+    assert head + tail == expected

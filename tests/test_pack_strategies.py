@@ -224,7 +224,7 @@ def test_best_fit_rounds_emit_rows_of_the_plan_and_bound_the_wait(lengths: list[
             continue
         if closed:  # a planning round: its rows are rows of the BFD plan of the buffer
             buffered = [*before, (item, length)]
-            plan = best_fit_decreasing(np.array([l for _, l in buffered]), SEQ_LEN)
+            plan = best_fit_decreasing(np.array([length for _, length in buffered]), SEQ_LEN)
             planned = [[buffered[i][0] for i in row] for row in plan]
             assert all(row in planned for row in closed)
             assert sum(len(row) for row in closed) >= (len(buffered) + 1) // 2

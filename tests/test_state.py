@@ -12,7 +12,13 @@ from resumable.state import STATE_VERSION
 
 
 def pipeline(seed: int = 1, batch_size: int = 4) -> rs.Node:
-    return rs.from_list(list(range(50))).shuffle(seed).map(lambda x: x + 1).filter(lambda x: x % 2 == 0).batch(batch_size)
+    return (
+        rs.from_list(list(range(50)))
+        .shuffle(seed)
+        .map(lambda x: x + 1)
+        .filter(lambda x: x % 2 == 0)
+        .batch(batch_size)
+    )
 
 
 def advanced(pipe: rs.Node, steps: int = 2) -> dict:
@@ -40,9 +46,15 @@ def test_state_is_plain_json_with_kind_and_version() -> None:
         (lambda s: s.update(kind="Map"), r"^Batch: state was saved by a 'Map' node"),
         (lambda s: s.update(version=99), r"^Batch: state format version 99"),
         (lambda s: s.update(batch_size=3), r"^Batch: state was saved with batch_size=3"),
-        (lambda s: s["upstream"]["upstream"]["upstream"].update(seed=2), r"^Batch > Filter > IndexedMap > Shuffle: .*seed=2"),
+        (
+            lambda s: s["upstream"]["upstream"]["upstream"].update(seed=2),
+            r"^Batch > Filter > IndexedMap > Shuffle: .*seed=2",
+        ),
         (lambda s: s["upstream"]["upstream"].update(position=10**6), r"IndexedMap: state entry 'position' is 1000000"),
-        (lambda s: s["upstream"]["upstream"].update(length=7), r"IndexedMap: state was saved over 7 records, this pipeline has 50"),
+        (
+            lambda s: s["upstream"]["upstream"].update(length=7),
+            r"IndexedMap: state was saved over 7 records, this pipeline has 50",
+        ),
         (lambda s: s["upstream"]["upstream"].update(position=-1), r"'position' is -1"),
         (lambda s: s["upstream"]["upstream"].update(epoch="0"), r"'epoch' is '0', expected int"),
         (lambda s: s["upstream"]["upstream"].update(epoch=True), r"'epoch' is True, expected int"),

@@ -8,7 +8,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import pytest
 from torch.utils.data import DistributedSampler
-from torchdata.nodes import BaseNode, Batcher, IterableWrapper, Loader, MapStyleWrapper, Mapper, Prefetcher
+from torchdata.nodes import BaseNode, Batcher, IterableWrapper, Loader, Mapper, MapStyleWrapper, Prefetcher
 
 import resumable as rs
 from resumable import Node

@@ -18,8 +18,7 @@ import numpy as np
 import pyarrow as pa
 
 from resumable.errors import ConfigError, SourceError, StateError
-from resumable.sources.files import Paths, expand_paths
-from resumable.sources.files import Fingerprint, check_fingerprints, fingerprint
+from resumable.sources.files import Fingerprint, Paths, check_fingerprints, expand_paths, fingerprint
 from resumable.sources.parquet import FILES, group_take
 from resumable.sources.source import Source
 from resumable.state import require

@@ -68,7 +68,12 @@ class JsonlSource(Source[Any]):
     @property
     def stats(self) -> dict[str, int]:
         """Records and files indexed, blank lines ignored, malformed records skipped so far."""
-        return {"records": self._total, "files": len(self.paths), "blank_lines": self._blank_lines, "skipped": self.skipped}
+        return {
+            "records": self._total,
+            "files": len(self.paths),
+            "blank_lines": self._blank_lines,
+            "skipped": self.skipped,
+        }
 
     # -- state --------------------------------------------------------------------------------
 

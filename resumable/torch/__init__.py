@@ -5,8 +5,8 @@ from resumable.order.topology import dataloader_worker, distributed_rank
 from resumable.torch.checkpoint import load, save
 from resumable.torch.dataset import PipelineDataset
 from resumable.torch.distributed import PerRank
-from resumable.torch.tdnodes import FromTorchdata, ToTorchdata
 from resumable.torch.loader import Loader
+from resumable.torch.tdnodes import FromTorchdata, ToTorchdata
 
 __all__ = [
     "FromTorchdata",

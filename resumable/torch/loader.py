@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import atexit
 import functools
+import os
 import signal
+import threading
 import warnings
+import weakref
 from typing import Any, Callable
 
 from torchdata.stateful_dataloader import StatefulDataLoader
-from torchdata.stateful_dataloader.stateful_dataloader import _ITERATOR_FINISHED
+from torchdata.stateful_dataloader.stateful_dataloader import (
+    _ITERATOR_FINISHED,
+    _StatefulMultiProcessingDataLoaderIter,
+)
 
 from resumable.errors import ConfigError, StateError
 from resumable.order.topology import distributed_rank
@@ -41,10 +48,10 @@ class Loader(StatefulDataLoader):
     starts from the last snapshot and replays the batches handed out since (at most 15),
     so it is still exact and its cost stays bounded; 1 makes restores replay nothing.
 
-    Workers ignore SIGTERM (``workers_ignore_sigterm``): a scheduler that preempts a job sends
-    it to every process, and the trainer, not its workers, decides when to stop, typically
-    after saving a checkpoint. Workers still exit when the loader shuts them down or when
-    the trainer process dies.
+    Workers ignore a SIGTERM that does not come from the trainer (``workers_ignore_sigterm``,
+    Linux): a scheduler that preempts a job sends it to every process, and the trainer, not
+    its workers, decides when to stop, typically after saving a checkpoint. Workers still
+    exit when the loader shuts them down (its SIGTERM is obeyed) or when the trainer dies.
     """
 
     def __init__(
@@ -83,13 +90,38 @@ class Loader(StatefulDataLoader):
                 snapshot_every_n_steps=snapshot_every_n_steps,
             )
         self._epoch = -1  # the epoch being iterated; -1 before the first iter()
+        _OPEN_LOADERS.add(self)
 
     def __iter__(self) -> Any:
         restored = self.next_iter_state
         if restored is None or restored.get(_ITERATOR_FINISHED, False):
             self._epoch += 1  # a new epoch, not the continuation of a restored one
         self.dataset.set_epoch(max(self._epoch, 0))  # type: ignore[attr-defined]
-        return super().__iter__()
+        try:
+            return super().__iter__()
+        except BaseException as error:
+            _shut_down_half_built_iterators(error)
+            raise
+
+    def close(self) -> None:
+        """Stop the workers now. The next ``iter()`` starts new ones where this one stopped."""
+        if self._iterator is None:
+            return
+        state = self.state_dict()
+        self._stop_workers()
+        self.load_state_dict(state)
+
+    def _stop_workers(self) -> None:
+        iterator: object = self._iterator
+        self._iterator = None
+        if isinstance(iterator, _StatefulMultiProcessingDataLoaderIter):
+            iterator._shutdown_workers()
+
+    def __enter__(self) -> Loader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     @property
     def epoch(self) -> int:
@@ -129,8 +161,58 @@ class Loader(StatefulDataLoader):
         super().load_state_dict(require(state_dict, LOADER, dict, path))
 
 
+_OPEN_LOADERS: weakref.WeakSet[Loader] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_loaders() -> None:
+    """Stop every loader's workers the orderly way before Python's exit hooks terminate them.
+
+    Registered after torch's and multiprocessing's own hooks, so it runs before them.
+    """
+    for loader in list(_OPEN_LOADERS):
+        loader._stop_workers()
+
+
+def _shut_down_half_built_iterators(error: BaseException) -> None:
+    """Stop the workers of an iterator whose start-up raised (a worker failed to restore).
+
+    The half-built iterator stays reachable from the traceback, and when it is finally
+    collected its workers no longer answer the shutdown request: each one costs a join timeout.
+    """
+    traceback = error.__traceback__
+    while traceback is not None:
+        candidate = traceback.tb_frame.f_locals.get("self")
+        if isinstance(candidate, _StatefulMultiProcessingDataLoaderIter):
+            candidate._shutdown_workers()
+        traceback = traceback.tb_next
+
+
 def _init_worker(user_init: Callable[[int], None] | None, worker_id: int) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _ignore_sigterm_unless_from_parent()
     if user_init is not None:
         user_init(worker_id)
+
+
+def _ignore_sigterm_unless_from_parent() -> None:
+    """Let only the parent's SIGTERM through: a scheduler's one is ignored, the loader's is not.
+
+    The parent terminates workers with SIGTERM when it shuts them down, and Python's own exit
+    hook (``multiprocessing.util._exit_function``) terminates then *joins* them, so a worker
+    that ignored every SIGTERM would hang its parent's exit. SIGTERM is blocked in this (the
+    worker's main) thread and in every thread started from it, and one daemon thread takes
+    each SIGTERM with ``sigwaitinfo``, which tells who sent it.
+    """
+    if not hasattr(signal, "sigwaitinfo"):  # macOS and Windows: keep the default (exit)
+        return
+    parent = os.getppid()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
+    def wait_for_parent_sigterm() -> None:
+        while signal.sigwaitinfo({signal.SIGTERM}).si_pid != parent:
+            pass
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        os.kill(os.getpid(), signal.SIGTERM)  # delivered to this thread: default action, exit
+
+    threading.Thread(target=wait_for_parent_sigterm, name="resumable-sigterm", daemon=True).start()
 

@@ -1,0 +1,66 @@
+"""A job for test_loader_signals: Loader workers, SIGTERM, and an exit with live workers.
+
+Usage: python loader_exit_job.py MODE. Every mode exits with the loader's workers still running,
+as a crashing or careless trainer does; the interpreter must not hang on them.
+- ``other``: prints the worker pids, waits for a line on stdin (the test has signalled the first
+  worker by then), finishes the epoch and reports whether that worker is alive.
+- ``parent``: the same, but this process signals the worker and reports its exit code.
+- ``wrong_state``: a state from another pipeline fails in the workers at start-up; the error
+  (and with it the half-built iterator) is kept until exit.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import resumable as rs
+from resumable.torch import Loader
+
+DOCUMENTS = 400
+
+
+def build(batch_size: int = 4) -> rs.Node:
+    return rs.from_list(list(range(DOCUMENTS))).shard().batch(batch_size)
+
+
+def signal_a_worker(sender: str) -> None:
+    loader = Loader(build, num_workers=2, prefetch_factor=2, persistent_workers=True)
+    iterator = iter(loader)
+    next(iterator)
+    workers = iterator._workers  # type: ignore[attr-defined]
+    print(" ".join(str(w.pid) for w in workers), flush=True)
+    sys.stdin.readline()
+    if sender == "parent":
+        os.kill(workers[0].pid, signal.SIGTERM)
+        try:
+            workers[0].join(timeout=60)
+        except RuntimeError:  # torch's SIGCHLD handler reports the killed worker here
+            workers[0].join(timeout=60)
+        print(f"exitcode {workers[0].exitcode}", flush=True)
+    else:
+        print(f"batches after the signal {sum(1 for _ in iterator)}", flush=True)
+        print(f"alive {workers[0].is_alive()}", flush=True)
+
+
+def restore_a_wrong_state() -> BaseException:
+    loader = Loader(build, num_workers=2, snapshot_every_n_steps=1)
+    iterator = iter(loader)
+    next(iterator)
+    wrong = Loader(lambda: build(batch_size=5), num_workers=2)
+    wrong.load_state_dict(loader.state_dict())
+    try:
+        next(iter(wrong))
+    except rs.StateError as error:
+        print(type(error).__name__, flush=True)
+        return error
+    raise SystemExit("a state from another pipeline was accepted")
+
+
+if __name__ == "__main__":
+    mode = sys.argv[1]
+    if mode == "wrong_state":
+        kept = restore_a_wrong_state()
+    else:
+        signal_a_worker(mode)

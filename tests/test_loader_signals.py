@@ -1,0 +1,49 @@
+"""Loader workers and SIGTERM: a scheduler's SIGTERM is ignored, the trainer's is obeyed, and a
+process that exits with live workers does not hang."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+JOB = Path(__file__).resolve().parent / "loader_exit_job.py"
+EXIT_LIMIT_S = 120  # a hang guard, not a speed check: a clean exit takes about a second
+
+pytestmark = pytest.mark.skipif(not hasattr(signal, "sigwaitinfo"), reason="needs sigwaitinfo (Linux)")
+
+
+def run_job(mode: str) -> list[str]:
+    job = subprocess.Popen([sys.executable, str(JOB), mode], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert job.stdin is not None and job.stdout is not None
+    if mode != "wrong_state":
+        worker_pids = [int(pid) for pid in job.stdout.readline().split()]
+        assert len(worker_pids) == 2
+        if mode == "other":
+            os.kill(worker_pids[0], signal.SIGTERM)  # this test process is not the workers' parent
+        job.stdin.write("go\n")
+        job.stdin.flush()
+    try:
+        output, _ = job.communicate(timeout=EXIT_LIMIT_S)
+    except subprocess.TimeoutExpired:
+        job.kill()
+        pytest.fail("the job hung at exit with live Loader workers")
+    assert job.returncode == 0, output
+    return output.splitlines()
+
+
+def test_sigterm_from_another_process_is_ignored_and_the_epoch_completes() -> None:
+    lines = run_job("other")
+    assert lines == [f"batches after the signal {400 // 4 - 1}", "alive True"]
+
+
+def test_sigterm_from_the_trainer_stops_the_worker() -> None:
+    assert run_job("parent") == [f"exitcode {-signal.SIGTERM}"]
+
+
+def test_a_failed_restore_in_the_workers_does_not_hang_the_exit() -> None:
+    assert run_job("wrong_state") == ["StateError"]

@@ -43,7 +43,8 @@ T = TypeVar("T")
 U = TypeVar("U")
 
 RecordKey = tuple[int, int]
-"""``(epoch, position)`` of a record of the outermost indexed node."""
+"""``(epoch, index)``: a record's epoch and its index in the leaf source, the same whatever the
+shuffle and however the epoch is sharded, so buffers keep references that survive a rescale."""
 
 EPOCH = "epoch"
 POSITION = "position"
@@ -140,8 +141,8 @@ class Node(Generic[T]):
     # -- provenance: lets buffering nodes store references instead of contents ----------------
 
     def last_key(self) -> RecordKey | None:
-        """``(epoch, position)`` of the indexed record behind the last item handed out, or None
-        when items cannot be traced back to one record (after batch or pack, say)."""
+        """``(epoch, leaf index)`` of the indexed record behind the last item handed out, or
+        None when items cannot be traced back to one record (after batch or pack, say)."""
         return None
 
     def fetch(self, key: RecordKey) -> T:
@@ -201,6 +202,14 @@ class Node(Generic[T]):
     def _check_config(self, state: dict[str, Any], path: str) -> None:
         """Reject a state saved with other options or over other data."""
         check_config(state, self._config(), path)
+
+    def _rescale(self, olds: list[dict[str, Any]], path: str, consumer: int, num_consumers: int) -> dict[str, Any]:
+        """This node's own state entries (no upstream) for new consumer ``consumer`` of
+        ``num_consumers``, continuing the epoch that the old consumers' states ``olds`` were
+        in (``resumable.elastic``). By default: the same options, counters of a fresh epoch."""
+        for old in olds:
+            self._check_config(old, path)
+        return {KIND: self.kind, VERSION: STATE_VERSION, **self._config(), **self._progress(), ENDED: False}
 
     def state_dict(self) -> dict[str, Any]:
         """Alias of ``get_state`` (``torch.distributed.checkpoint.Stateful`` protocol)."""
@@ -305,6 +314,16 @@ class IndexedNode(Node[T]):
     def __len__(self) -> int:
         raise NotImplementedError
 
+    def _length(self, epoch: int) -> int:
+        """Positions in ``epoch``: ``len(self)``, unless a rescale left a shard of another size."""
+        return len(self)
+
+    def _enter_epoch(self, epoch: int) -> None:
+        """Tell the indexed chain below the cursor which epoch is being read (a shard drops
+        the remap of an earlier epoch)."""
+        if self.upstream is not None:
+            self.upstream._enter_epoch(epoch)
+
     @property
     def leaf(self) -> Source[Any]:
         """The source at the bottom of this indexed chain."""
@@ -331,27 +350,48 @@ class IndexedNode(Node[T]):
 
     def __getitem__(self, position: int) -> T:
         """The record at ``position`` of the current epoch, by random access."""
-        return self.fetch((self._epoch, position))
+        return self.record_at(self._epoch, position)
+
+    def record_at(self, epoch: int, position: int) -> T:
+        """The record at ``position`` of ``epoch``, by random access."""
+        length = self._length(epoch)
+        if not isinstance(position, (int, np.integer)) or not 0 <= position < length:
+            raise IndexError(f"{self.kind}: position {position!r} out of range [0, {length})")
+        return self._record_of(int(self._leaf_indices(np.array([position], dtype=np.int64), epoch)[0]))
 
     def fetch(self, key: RecordKey) -> T:
-        epoch, position = key
-        if not isinstance(position, (int, np.integer)) or not 0 <= position < len(self):
-            raise IndexError(f"{self.kind}: position {position!r} out of range [0, {len(self)})")
+        _, index = key
+        size = len(self.leaf)
+        if not isinstance(index, (int, np.integer)) or not 0 <= index < size:
+            raise IndexError(f"{self.kind}: record index {index!r} out of range [0, {size})")
+        return self._record_of(int(index))
+
+    def _record_of(self, index: int) -> T:
+        """Leaf record ``index`` through this chain's decoder and maps."""
         self._prepare_chain()
-        raw = self.leaf._raw_at(self._leaf_indices(np.array([position], dtype=np.int64), epoch))[0]
+        leaf = self.leaf
+        raw = leaf._raw_at(np.array([index], dtype=np.int64))[0]
         record = raw
         if self._decode is not None:
             try:
                 record = self._decode(raw)
             except Exception as error:  # noqa: BLE001 - the source raises its own error
-                self._reject(raw, int(position), epoch, error, may_skip=False)
+                leaf._decode_failed(raw, index, error, may_skip=False)
         for fn in self._fns:
             record = fn(record)
         return record  # type: ignore[no-any-return]
 
     def last_key(self) -> RecordKey | None:
-        position = self.position
-        return (self._epoch, position - 1) if position > 0 else None
+        last = self.position - 1
+        if last < 0:
+            return None
+        offset = last - self._chunk_start
+        if offset < 0:  # restored at a chunk boundary: the record came before this chunk
+            return (self._epoch, int(self._leaf_indices(np.array([last], dtype=np.int64), self._epoch)[0]))
+        if self._chunk_leaves is None:
+            positions = np.arange(self._chunk_start, self._chunk_start + len(self._chunk), dtype=np.int64)
+            self._chunk_leaves = self._leaf_indices(positions, self._epoch)
+        return (self._epoch, int(self._chunk_leaves[offset]))
 
     # -- fluent methods that keep random access ----------------------------------------------
 
@@ -391,6 +431,7 @@ class IndexedNode(Node[T]):
 
     def _reset_cursor(self, position: int) -> None:
         self._chunk: Sequence[Any] = ()
+        self._chunk_leaves: np.ndarray | None = None  # leaf indices of the chunk, for last_key()
         self._chunk_start = position
         self._chunk_size = MIN_CHUNK
         self._pending: Iterator[Any] = iter(())
@@ -414,7 +455,8 @@ class IndexedNode(Node[T]):
     def _load_next_chunk(self) -> None:
         """Read the next chunk of raw records; StopIteration at the end of the epoch."""
         start = self._chunk_start + len(self._chunk)
-        total = len(self)
+        total = self._length(self._epoch)
+        self._chunk_leaves = None
         if start >= total:
             self._chunk, self._chunk_start = (), total
             self._ended = True
@@ -462,17 +504,21 @@ class IndexedNode(Node[T]):
     def _begin_epoch(self, epoch: int | None) -> None:
         # Indexed upstreams are read by random access: only this cursor moves.
         self._epoch = self._epoch + 1 if epoch is None else epoch
+        self._enter_epoch(self._epoch)
         self._reset_cursor(0)
         self._ended = False
 
     def _progress(self) -> dict[str, Any]:
-        return {EPOCH: self._epoch, POSITION: self.position, LENGTH: len(self)}
+        return {EPOCH: self._epoch, POSITION: self.position, LENGTH: self._length(self._epoch)}
 
     def _restore(self, state: dict[str, Any], path: str) -> None:
-        length = require_count(state, LENGTH, path)
-        if length != len(self):
-            raise StateError(f"{path}: state was saved over {length} records, this pipeline has {len(self)}")
         epoch = require_count(state, EPOCH, path)
+        self._enter_epoch(epoch)
+        length = require_count(state, LENGTH, path)
+        if length != self._length(epoch):
+            raise StateError(
+                f"{path}: state was saved over {length} records, this pipeline has {self._length(epoch)}"
+            )
         position = require_count(state, POSITION, path, upper=length)
         self._epoch = epoch
         self._reset_cursor(position)

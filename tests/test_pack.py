@@ -333,7 +333,7 @@ def test_bad_records_name_their_key(record: Any, message: str) -> None:
         pack = rs.from_list(records).pack(8, strategy=strategy, buffer_size=buffer_size)
         with pytest.raises(rs.SourceError, match=message) as error:
             list(pack)
-        assert "(epoch 0, position 3)" in str(error.value)
+        assert "(epoch 0, record 3)" in str(error.value)
 
 
 # -- bad states --------------------------------------------------------------------------------
@@ -346,10 +346,9 @@ def build_first_fit() -> Pack:
     return rs.from_list(STATE_CORPUS).shuffle(4).pack(8, strategy="first_fit", buffer_size=3)
 
 
-def long_position() -> int:
-    """The shuffled position of the 20-token document."""
-    shuffled = rs.from_list(STATE_CORPUS).shuffle(4)
-    return next(p for p in range(len(shuffled)) if len(shuffled[p]["input_ids"]) == 20)
+def long_record() -> int:
+    """The record index of the 20-token document (pieces name records by their source index)."""
+    return next(i for i, document in enumerate(STATE_CORPUS) if len(document["input_ids"]) == 20)
 
 
 def midway_state() -> dict[str, Any]:
@@ -377,14 +376,14 @@ def corrupt(change: Any) -> dict[str, Any]:
         (lambda s: s.pop("open_sizes"), "no 'open_sizes' entry"),
         (lambda s: s["open_sizes"].append(1), "'open_sizes' counts"),
         (lambda s: s["open_sizes"].__setitem__(0, -1), "expected counts >= 0"),
-        (lambda s: s["open"].__setitem__(0, 5), r"\[epoch, position, token_start, token_end\]"),
-        (lambda s: s["open"].__setitem__(0, [0, 1, 2]), r"\[epoch, position, token_start, token_end\]"),
-        (lambda s: s["open"].__setitem__(0, [0, -1, 0, 2]), r"\[epoch, position, token_start, token_end\]"),
-        (lambda s: s["open"].__setitem__(0, [0, 1, 0, True]), r"\[epoch, position, token_start, token_end\]"),
+        (lambda s: s["open"].__setitem__(0, 5), r"\[epoch, record, token_start, token_end\]"),
+        (lambda s: s["open"].__setitem__(0, [0, 1, 2]), r"\[epoch, record, token_start, token_end\]"),
+        (lambda s: s["open"].__setitem__(0, [0, -1, 0, 2]), r"\[epoch, record, token_start, token_end\]"),
+        (lambda s: s["open"].__setitem__(0, [0, 1, 0, True]), r"\[epoch, record, token_start, token_end\]"),
         (lambda s: s["open"].__setitem__(0, [0, 999, 0, 1]), "cannot be fetched again"),
         (lambda s: s["open"].__setitem__(0, [0, 1, 0, 999]), "outside record"),
         (lambda s: s["open"].__setitem__(0, [0, 1, 2, 2]), "outside record"),
-        (lambda s: s.update(open=[[0, long_position(), 0, 20]], open_sizes=[1]), "longer than seq_len"),
+        (lambda s: s.update(open=[[0, long_record(), 0, 20]], open_sizes=[1]), "longer than seq_len"),
         (lambda s: s.update(open=[[0, i, 0, 1] for i in range(4)], open_sizes=[1] * 4), "more than buffer_size"),
         (lambda s: s.update(ready=[], ready_sizes=[0]), "does not fit"),
         (lambda s: s.update(span=[0, 4, 0, 5]), "whole number of rows"),

@@ -149,11 +149,12 @@ def test_last_key_and_fetch_apply_fn() -> None:
     pipe = rs.from_list(list(range(20))).shuffle(5).map(square, num_workers=2)
     plain = rs.from_list(list(range(20))).shuffle(5).map(square)
     assert pipe.last_key() is None
-    take(pipe, 6)
-    take(plain, 6)
-    assert pipe.last_key() == plain.last_key() == (0, 5)
-    assert pipe.fetch((0, 5)) == plain.fetch((0, 5))
-    assert pipe.fetch((2, 1)) == plain.fetch((2, 1))
+    items = take(pipe, 6)
+    assert take(plain, 6) == items
+    key = pipe.last_key()
+    assert key is not None and key == plain.last_key() and key[0] == 0
+    assert pipe.fetch(key) == items[-1] == square(key[1])  # keys name records of the source
+    assert pipe.fetch((2, 1)) == plain.fetch((2, 1)) == square(1)
     pipe.close()
 
 

@@ -142,11 +142,12 @@ def test_fetch_and_last_key_pass_through() -> None:
     plain = rs.from_list(list(range(20))).shuffle(2).map(double)
     assert pipe.last_key() is None
     for _ in range(5):
-        next(pipe)
-        next(plain)
-    assert pipe.last_key() == plain.last_key() == (0, 4)
-    assert pipe.fetch((0, 4)) == plain.fetch((0, 4))
-    assert pipe.fetch((1, 0)) == plain.fetch((1, 0))
+        item = next(pipe)
+        assert next(plain) == item
+    key = pipe.last_key()
+    assert key is not None and key == plain.last_key() and key[0] == 0
+    assert pipe.fetch(key) == item == double(key[1])  # keys name records of the source
+    assert pipe.fetch((1, 0)) == plain.fetch((1, 0)) == double(0)
     pipe.close()
 
 

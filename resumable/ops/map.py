@@ -55,6 +55,9 @@ class IndexedMap(IndexedNode[U]):
     def __len__(self) -> int:
         return len(self.upstream)
 
+    def _length(self, epoch: int) -> int:
+        return self.upstream._length(epoch)
+
     def _raw_chunk(self, start: int, count: int, epoch: int) -> Sequence[Any]:
         return self.upstream._raw_chunk(start, count, epoch)
 

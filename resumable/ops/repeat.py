@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, TypeVar
 
-from resumable.errors import ConfigError
+from resumable.errors import ConfigError, StateError
 from resumable.node import Node, RecordKey
 from resumable.state import require, require_count
 
@@ -66,3 +66,12 @@ class Repeat(Node[T]):
     def _restore(self, state: dict[str, Any], path: str) -> None:
         self.epochs_done = require_count(state, EPOCHS_DONE, path)
         self._yielded = require(state, YIELDED, bool, path)
+
+    def _rescale(self, olds: list[dict[str, Any]], path: str, consumer: int, num_consumers: int) -> dict[str, Any]:
+        state = super()._rescale(olds, path, consumer, num_consumers)
+        done = {require_count(old, EPOCHS_DONE, path) for old in olds}
+        if len(done) != 1:
+            raise StateError(f"{path}: old consumers are in different epochs {sorted(done)}; rescale within one epoch")
+        state[EPOCHS_DONE] = done.pop()
+        state[YIELDED] = any(require(old, YIELDED, bool, path) for old in olds)
+        return state

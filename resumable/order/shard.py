@@ -9,8 +9,10 @@ import numpy as np
 
 from resumable.errors import ConfigError
 from resumable.node import IndexedNode
+from resumable.order.elastic import Remap
 from resumable.order.partition import shard_size, shard_to_global
 from resumable.order.topology import Topology, check_rank, dataloader_worker, distributed_rank
+from resumable.state import require
 
 T = TypeVar("T")
 
@@ -18,6 +20,7 @@ RANK = "rank"
 WORLD_SIZE = "world_size"
 WORKER = "worker"
 NUM_WORKERS = "num_workers"
+REMAP = "remap"
 
 
 class Shard(IndexedNode[T]):
@@ -28,6 +31,10 @@ class Shard(IndexedNode[T]):
     (``c = rank * num_workers + worker``) unless ``split_workers=False``. The topology is
     resolved in the process that iterates, so a pipeline built before the workers start
     still splits correctly.
+
+    After an elastic rescale (``resumable.elastic``) the shard also holds a ``Remap`` for the
+    epoch that was cut short: this consumer's stride then runs over the positions that the
+    old consumers left, and from the next epoch on over the whole epoch again.
     """
 
     def __init__(
@@ -46,6 +53,7 @@ class Shard(IndexedNode[T]):
         self._world_size = world_size
         self.split_workers = split_workers
         self._resolved: tuple[int, Topology] | None = None
+        self.remap: Remap | None = None
 
     @property
     def topology(self) -> Topology:
@@ -64,15 +72,45 @@ class Shard(IndexedNode[T]):
         topology = self.topology
         return shard_size(len(self.upstream), topology.consumer, topology.num_consumers)  # type: ignore[arg-type]
 
+    def _remap_of(self, epoch: int) -> Remap | None:
+        remap = self.remap
+        return remap if remap is not None and remap.epoch == epoch else None
+
+    def _length(self, epoch: int) -> int:
+        remap = self._remap_of(epoch)
+        if remap is None:
+            return len(self)
+        topology = self.topology
+        return shard_size(remap.length, topology.consumer, topology.num_consumers)
+
+    def _enter_epoch(self, epoch: int) -> None:
+        if self.remap is not None and self.remap.epoch != epoch:
+            self.remap = None  # the rescaled epoch is over: the whole epoch is split again
+        super()._enter_epoch(epoch)
+
     def _leaf_indices(self, positions: np.ndarray, epoch: int) -> np.ndarray:
         topology = self.topology
         parent_positions = shard_to_global(positions, topology.consumer, topology.num_consumers)
+        remap = self._remap_of(epoch)
+        if remap is not None:
+            parent_positions = remap.to_base(parent_positions)
         return self.upstream._leaf_indices(parent_positions, epoch)  # type: ignore[union-attr]
 
     def _raw_chunk(self, start: int, count: int, epoch: int) -> Sequence[Any]:
-        if self.topology.num_consumers == 1:
+        if self.topology.num_consumers == 1 and self._remap_of(epoch) is None:
             return self.upstream._raw_chunk(start, count, epoch)  # type: ignore[union-attr]
         return super()._raw_chunk(start, count, epoch)
+
+    def _state(self, progress: bool) -> dict[str, Any]:
+        state = super()._state(progress)
+        if self.remap is not None:
+            state[REMAP] = self.remap.to_json()
+        return state
+
+    def _load(self, state: Any, path: str, progress: bool = True) -> None:
+        remap = Remap.from_json(require(state, REMAP, dict, path), path) if REMAP in state else None
+        super()._load(state, path, progress)
+        self.remap = remap
 
     def _config(self) -> dict[str, Any]:
         topology = self.topology

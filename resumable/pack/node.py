@@ -1,8 +1,9 @@
 """Pack: token sequences into fixed-length rows, checkpointed by reference.
 
 The packer holds documents in a bounded buffer, but its state never holds tokens: every
-buffered piece is saved as ``[epoch, position, token_start, token_end]``, the provenance key of
-the indexed record it came from (``upstream.last_key()``) plus a token range. A restore
+buffered piece is saved as ``[epoch, record, token_start, token_end]``, the provenance key of
+the indexed record it came from (``upstream.last_key()``: its index in the leaf source, the same
+on every rank, so pieces can move between consumers in an elastic rescale) plus a token range. A restore
 fetches those records again by random access (``upstream.fetch(key)``), so its cost is bounded
 by the buffer, never by the position in the epoch.
 """
@@ -19,7 +20,7 @@ from resumable.errors import ConfigError, ResumableError, SourceError, StateErro
 from resumable.node import IndexedNode, Node, RecordKey
 from resumable.pack.rows import RowFormat, Segment, collate_rows, cu_seqlens_length
 from resumable.pack.strategies import STRATEGIES, NextFit, Packer, Row, best_fit_decreasing, make_packer
-from resumable.state import require, require_count
+from resumable.state import ENDED, KIND, STATE_VERSION, VERSION, require, require_count
 
 DEFAULT_BUFFER_SIZE = 1000
 OVERLONG_POLICIES = ("split", "truncate", "drop")
@@ -44,6 +45,8 @@ READY = "ready"
 READY_SIZES = "ready_sizes"
 SPAN = "span"
 EXHAUSTED = "exhausted"
+# Pieces handed over by other consumers in an elastic rescale, packed before the upstream's.
+INHERITED = "inherited"
 # Progress of a whole-epoch plan (``strategy="bfd"`` without ``buffer_size``); the epoch is the
 # indexed upstream's, saved in its state.
 EMITTED = "emitted"
@@ -60,7 +63,7 @@ PADDING = "padding"
 COUNTERS = (DOCUMENTS, SPLIT, TRUNCATED, DROPPED, EMPTY, ROWS, PADDING)
 DOCUMENT_COUNTERS = (DOCUMENTS, SPLIT, TRUNCATED, DROPPED, EMPTY)
 
-PIECE_FIELDS = 4  # [epoch, position, token_start, token_end]
+PIECE_FIELDS = 4  # [epoch, record, token_start, token_end]: the record's index in the leaf source
 
 
 @dataclass(frozen=True)
@@ -100,7 +103,7 @@ class Piece(NamedTuple):
     end: int
     tokens: np.ndarray
     labels: np.ndarray | None
-    ref: list[int]  # [epoch, position, start, end], built once: get_state shares it, nothing changes it
+    ref: list[int]  # [epoch, record, start, end], built once: get_state shares it, nothing changes it
 
     @property
     def key(self) -> RecordKey:
@@ -110,18 +113,18 @@ class Piece(NamedTuple):
         return Segment(self.tokens, self.labels, self.start, self.end)
 
 
-def _piece(epoch: int, position: int, start: int, end: int, tokens: np.ndarray, labels: np.ndarray | None) -> Piece:
-    return Piece(start, end, tokens, labels, [epoch, position, start, end])
+def _piece(epoch: int, record: int, start: int, end: int, tokens: np.ndarray, labels: np.ndarray | None) -> Piece:
+    return Piece(start, end, tokens, labels, [epoch, record, start, end])
 
 
 class Plan(NamedTuple):
     """A whole epoch packed ahead, in numpy arrays (about 40 bytes per piece).
 
-    Piece ``i`` is tokens ``[starts[i], ends[i])`` of the record at ``positions[i]``; row ``r``
+    Piece ``i`` is tokens ``[starts[i], ends[i])`` of leaf record ``records[i]``; row ``r``
     holds pieces ``order[bounds[r]:bounds[r + 1]]``.
     """
 
-    positions: np.ndarray
+    records: np.ndarray
     starts: np.ndarray
     ends: np.ndarray
     order: np.ndarray
@@ -236,6 +239,7 @@ class Pack(Node[dict[str, np.ndarray]]):
         self._next_id = 0
         self._ready: deque[Row] = deque()
         self._span: Piece | None = None
+        self._inherited: deque[Piece] = deque()
         self._exhausted = False
         self._barren: int | None = None  # epoch where the current run of documents without tokens began
         self._counts = dict.fromkeys(COUNTERS, 0)
@@ -257,19 +261,20 @@ class Pack(Node[dict[str, np.ndarray]]):
         return PackStats(self.seq_len, **self._counts)
 
     def pending_keys(self) -> list[RecordKey]:
-        """``(epoch, position)`` of every document taken from upstream but not fully handed out,
+        """``(epoch, record)`` of every document taken from upstream but not fully handed out,
         once each: exactly the records a restore fetches again. For a whole-epoch plan, the
         documents of the rows not yet handed out."""
         if self._whole_epoch:
             if self._plan is None:
                 return []
             plan, epoch = self._plan, self._plan_epoch()
-            positions = plan.positions[plan.order[plan.bounds[self._emitted] :]].tolist()
-            return [(epoch, position) for position in dict.fromkeys(positions)]
+            records = plan.records[plan.order[plan.bounds[self._emitted] :]].tolist()
+            return [(epoch, index) for index in dict.fromkeys(records)]
         return list(dict.fromkeys(piece.key for piece in self._buffered()))
 
     def _buffered(self) -> Iterator[Piece]:
         pieces = self._pieces
+        yield from self._inherited
         if self._span is not None:
             yield self._span
         for row in self._ready:
@@ -292,7 +297,10 @@ class Pack(Node[dict[str, np.ndarray]]):
             self._pull()
 
     def _pull(self) -> None:
-        """Take one document from upstream; at its end, flush the open rows."""
+        """Take one document from upstream (or an inherited piece); at its end, flush the open rows."""
+        if self._inherited:
+            self._take(self._inherited.popleft())
+            return
         upstream = self.upstream
         try:
             record = next(upstream)  # type: ignore[call-overload]
@@ -307,7 +315,7 @@ class Pack(Node[dict[str, np.ndarray]]):
                 "(last_key() is None), so the packer cannot checkpoint its buffer by reference; build "
                 "the pipeline from an indexed source with shuffle/shard/map, then filter/repeat, then pack()"
             )
-        epoch, position = key
+        epoch, index = key
         tokens, labels = self._read(record, key)
         full, end = self._cut(len(tokens), self._counts)
         if not end:
@@ -315,12 +323,24 @@ class Pack(Node[dict[str, np.ndarray]]):
             return
         self._barren = None
         if full:
-            self._span = _piece(epoch, position, 0, full, tokens, labels)
+            self._span = _piece(epoch, index, 0, full, tokens, labels)
         if end > full:
             item = self._next_id
             self._next_id = item + 1
-            self._pieces[item] = _piece(epoch, position, full, end, tokens, labels)
+            self._pieces[item] = _piece(epoch, index, full, end, tokens, labels)
             self._ready.extend(self._packer.add(item, end - full))
+
+    def _take(self, piece: Piece) -> None:
+        """Pack a piece another consumer had buffered: whole rows first, then the rest."""
+        full = piece.start + (piece.end - piece.start) // self.seq_len * self.seq_len
+        epoch, index = piece.key
+        if full > piece.start:
+            self._span = _piece(epoch, index, piece.start, full, piece.tokens, piece.labels)
+        if piece.end > full:
+            item = self._next_id
+            self._next_id = item + 1
+            self._pieces[item] = _piece(epoch, index, full, piece.end, piece.tokens, piece.labels)
+            self._ready.extend(self._packer.add(item, piece.end - full))
 
     def _check_barren(self, epoch: int) -> None:
         """Fail instead of spinning forever when a whole upstream epoch gives no tokens (every
@@ -425,7 +445,7 @@ class Pack(Node[dict[str, np.ndarray]]):
         segments = []
         epoch = self._plan_epoch()
         for index in plan.row(self._emitted):
-            tokens, labels = self._fetch_cached((epoch, int(plan.positions[index])))
+            tokens, labels = self._fetch_cached((epoch, int(plan.records[index])))
             segments.append(Segment(tokens, labels, int(plan.starts[index]), int(plan.ends[index])))
         self._emitted += 1
         self._count_row(segments)
@@ -446,20 +466,21 @@ class Pack(Node[dict[str, np.ndarray]]):
         upstream = self.upstream
         seq_len = self.seq_len
         counts = dict.fromkeys(DOCUMENT_COUNTERS, 0)
-        kept: list[tuple[int, int, int]] = []  # (position, full, end) of documents with tokens
-        for position in range(len(upstream)):  # type: ignore[arg-type]
-            key = (epoch, position)
+        kept: list[tuple[int, int, int]] = []  # (record index, full, end) of documents with tokens
+        positions = np.arange(upstream._length(epoch), dtype=np.int64)  # type: ignore[union-attr]
+        for index in upstream._leaf_indices(positions, epoch).tolist():  # type: ignore[union-attr]
+            key = (epoch, index)
             tokens, _ = self._read(upstream.fetch(key), key)  # type: ignore[union-attr]
             full, end = self._cut(len(tokens), counts)
             if end:
-                kept.append((position, full, end))
+                kept.append((index, full, end))
         documents = np.array(kept, dtype=np.int64).reshape(-1, 3)
         # A document gives full // seq_len whole rows, then its tail if any: piece r starts at r * seq_len.
         pieces = documents[:, 1] // seq_len + (documents[:, 2] > documents[:, 1])
         first = np.repeat(np.cumsum(pieces) - pieces, pieces)
         starts = (np.arange(int(pieces.sum()), dtype=np.int64) - first) * seq_len
         ends = np.minimum(starts + seq_len, np.repeat(documents[:, 2], pieces))
-        positions = np.repeat(documents[:, 0], pieces)
+        records = np.repeat(documents[:, 0], pieces)
 
         lengths = ends - starts
         packed = np.flatnonzero(lengths < seq_len)
@@ -470,7 +491,7 @@ class Pack(Node[dict[str, np.ndarray]]):
         order = np.fromiter((index for row in rows for index in row), dtype=np.int64, count=len(lengths))
         bounds = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum([len(row) for row in rows], out=bounds[1:])
-        return Plan(positions, starts, ends, order, bounds, counts)
+        return Plan(records, starts, ends, order, bounds, counts)
 
     # -- epochs and state --------------------------------------------------------------------
 
@@ -502,6 +523,7 @@ class Pack(Node[dict[str, np.ndarray]]):
             READY: [pieces[item].ref for row in self._ready for item in row],
             READY_SIZES: [len(row) for row in self._ready],
             SPAN: self._span.ref if self._span is not None else [],
+            INHERITED: [piece.ref for piece in self._inherited],
             EXHAUSTED: self._exhausted,
             STATS: dict(self._counts),
         }
@@ -541,6 +563,7 @@ class Pack(Node[dict[str, np.ndarray]]):
             span = fetcher.piece(span_ref, SPAN)
             if (span.end - span.start) % self.seq_len:
                 raise StateError(f"{path}: {SPAN} {span_ref} is not a whole number of rows of {self.seq_len}")
+        inherited = deque(fetcher.piece(entry, INHERITED) for entry in state.get(INHERITED, []))
 
         packer = self._new_packer()
         try:
@@ -550,6 +573,25 @@ class Pack(Node[dict[str, np.ndarray]]):
         self._reset()
         self._packer, self._pieces, self._next_id = packer, pieces, len(pieces)
         self._ready, self._span, self._exhausted, self._counts = ready, span, exhausted, counts
+        self._inherited = inherited
+
+    def _rescale(self, olds: list[dict[str, Any]], path: str, consumer: int, num_consumers: int) -> dict[str, Any]:
+        """A fresh epoch state holding this consumer's share of every old consumer's pieces."""
+        if self._whole_epoch:
+            raise ConfigError(f"{path}: a whole-epoch plan (strategy='bfd' without buffer_size) cannot be rescaled")
+        pieces: list[Any] = []
+        for old in olds:
+            self._check_config(old, path)
+            pieces.extend(require(old, INHERITED, list, path))
+            span = require(old, SPAN, list, path)
+            if span:
+                pieces.append(span)
+            pieces.extend(require(old, READY, list, path))
+            pieces.extend(require(old, OPEN, list, path))
+        state = {KIND: self.kind, VERSION: STATE_VERSION, **self._config()}
+        state.update({OPEN: [], OPEN_SIZES: [], READY: [], READY_SIZES: [], SPAN: [], EXHAUSTED: False})
+        state.update({INHERITED: pieces[consumer::num_consumers], STATS: dict.fromkeys(COUNTERS, 0), ENDED: False})
+        return state
 
     def _restore_plan(self, state: dict[str, Any], path: str, counts: dict[str, int]) -> None:
         """Plan the saved epoch again (one pass over its records) and skip the rows handed out."""
@@ -582,10 +624,10 @@ class _Refetcher:
             or any(isinstance(value, bool) or not isinstance(value, int) or value < 0 for value in entry)
         ):
             raise StateError(
-                f"{path}: {where} entry {entry!r} is not [epoch, position, token_start, token_end] of ints >= 0"
+                f"{path}: {where} entry {entry!r} is not [epoch, record, token_start, token_end] of ints >= 0"
             )
-        epoch, position, start, end = entry
-        key = (epoch, position)
+        epoch, index, start, end = entry
+        key = (epoch, index)
         arrays = self._records.get(key)
         if arrays is None:
             pack = self._pack
@@ -602,7 +644,7 @@ class _Refetcher:
                 f"{path}: {where} entry {entry} is outside record {_key_text(key)} of {len(tokens)} tokens "
                 "(did the data change?)"
             )
-        return _piece(epoch, position, start, end, tokens, labels)
+        return _piece(epoch, index, start, end, tokens, labels)
 
 
 def _grouped(state: Mapping[str, Any], key: str, sizes_key: str, path: str) -> list[list[Any]]:
@@ -621,7 +663,7 @@ def _grouped(state: Mapping[str, Any], key: str, sizes_key: str, path: str) -> l
 
 
 def _key_text(key: RecordKey) -> str:
-    return f"(epoch {key[0]}, position {key[1]})"
+    return f"(epoch {key[0]}, record {key[1]})"
 
 
 def _check_positive_int(kind: str, name: str, value: Any) -> None:

@@ -1,0 +1,154 @@
+"""Elastic resume: continue an epoch on another number of consumers, each document once.
+
+A checkpoint taken by ``C`` consumers (``world_size * num_workers``) resumes on ``C'``. Each new
+consumer builds its pipeline as usual and calls ``restore(pipeline, old_states)`` with the
+pipeline states of *all* old consumers, in consumer order. It gets
+
+* the positions of the interrupted epoch that no old consumer reached, split into strides
+  over the new consumers (``resumable.order.elastic``: about one integer per old consumer
+  while the ragged band between the slowest and fastest old cursor is being read, then one);
+* its share of what old consumers held in buffers, by reference: the packer's pieces (a split
+  document's rest included) are dealt out one by one across the new consumers.
+
+From the next epoch on, the new topology reads whole epochs as if it had always been there.
+With the same topology, ``restore`` loads the consumer's own state: bit-exact, as always.
+
+Supported chains: an indexed part ending in ``.shard()`` (optionally followed by serial
+``.map()``), then any of filter, map, batch, prefetch, parallel map, repeat and pack
+(streaming strategies). Shuffles after the shard, a whole-epoch ``bfd`` plan and ``mix`` raise
+``ConfigError``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from resumable.errors import ConfigError, StateError
+from resumable.node import EPOCH, LENGTH, POSITION, IndexedNode, Node
+from resumable.ops.map import IndexedMap
+from resumable.order.elastic import Remap, rescale
+from resumable.order.partition import shard_size
+from resumable.order.shard import NUM_WORKERS, RANK, REMAP, WORKER, WORLD_SIZE, Shard
+from resumable.state import ENDED, KIND, STATE_VERSION, UPSTREAM, VERSION, check_header, check_json, require
+
+__all__ = ["restore", "rescaled_state", "consumer_of"]
+
+
+def consumer_of(state: dict[str, Any], path: str = "state") -> tuple[int, int]:
+    """``(consumer, num_consumers)`` of the shard in a pipeline state."""
+    node = state
+    while isinstance(node, dict):
+        if node.get(KIND) == Shard.kind:
+            rank, world_size = require(node, RANK, int, path), require(node, WORLD_SIZE, int, path)
+            worker, num_workers = require(node, WORKER, int, path), require(node, NUM_WORKERS, int, path)
+            return rank * num_workers + worker, world_size * num_workers
+        node = node.get(UPSTREAM)
+    raise StateError(f"{path}: the state has no Shard node, so it does not say which consumer it is")
+
+
+def restore(pipeline: Node[Any], old_states: Sequence[dict[str, Any]]) -> None:
+    """Continue the epoch of ``old_states`` (every old consumer's, in order) on ``pipeline``."""
+    pipeline.set_state(rescaled_state(pipeline, old_states))
+
+
+def rescaled_state(pipeline: Node[Any], old_states: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The state ``pipeline`` (a freshly built pipeline of a new consumer) continues from."""
+    if not old_states:
+        raise StateError(f"{pipeline.kind}: no old states to rescale from")
+    for index, old in enumerate(old_states):
+        check_json(old, f"{pipeline.kind} (old consumer {index})")
+    shard = _find_shard(pipeline)
+    consumer, num_consumers = shard.topology.consumer, shard.topology.num_consumers
+    for index, old in enumerate(old_states):
+        saved = consumer_of(old, f"{pipeline.kind} (old consumer {index})")
+        if saved != (index, len(old_states)):
+            raise StateError(
+                f"old states must be every consumer's, in order: entry {index} of {len(old_states)} is "
+                f"consumer {saved[0]} of {saved[1]}"
+            )
+    if len(old_states) == num_consumers:
+        return old_states[consumer]  # same topology: exact
+    return _rescale_node(pipeline, list(old_states), pipeline.kind, consumer, num_consumers)
+
+
+def _find_shard(pipeline: Node[Any]) -> Shard[Any]:
+    node: Node[Any] | None = pipeline
+    while node is not None and not isinstance(node, IndexedNode):
+        node = node.upstream
+    cursor = node
+    while isinstance(node, IndexedMap):
+        node = node.upstream
+    if not isinstance(node, Shard):
+        found = node.kind if node is not None else "no indexed node"
+        raise ConfigError(
+            f"elastic resume needs .shard() as the last reordering step of the indexed chain "
+            f"(only serial .map() may follow it), found {found} under {cursor.kind if cursor else pipeline.kind}"
+        )
+    return node
+
+
+def _rescale_node(
+    node: Node[Any], olds: list[dict[str, Any]], path: str, consumer: int, num_consumers: int
+) -> dict[str, Any]:
+    for old in olds:
+        check_header(old, node.kind, path)
+    if isinstance(node, IndexedNode):
+        return _rescale_indexed(node, olds, path)
+    state = node._rescale(olds, path, consumer, num_consumers)
+    if node.upstream is not None:
+        uppers = [require(old, UPSTREAM, dict, path) for old in olds]
+        upstream_path = f"{path} > {node.upstream.kind}"
+        state[UPSTREAM] = _rescale_node(node.upstream, uppers, upstream_path, consumer, num_consumers)
+    return state
+
+
+def _rescale_indexed(cursor: IndexedNode[Any], olds: list[dict[str, Any]], path: str) -> dict[str, Any]:
+    """The cursor's new state: position 0 of this consumer's stride over what was left."""
+    epochs = {require(old, EPOCH, int, path) for old in olds}
+    if len(epochs) != 1:
+        raise StateError(f"{path}: old consumers are in different epochs {sorted(epochs)}; rescale within one epoch")
+    epoch = epochs.pop()
+    cursors = [require(old, POSITION, int, path) for old in olds]
+
+    chain: list[tuple[IndexedNode[Any], list[dict[str, Any]], str]] = []
+    node: IndexedNode[Any] | None = cursor
+    states, where = olds, path
+    while node is not None:
+        chain.append((node, states, where))
+        if node.upstream is None:
+            break
+        states = [require(state, UPSTREAM, dict, where) for state in states]
+        where = f"{where} > {node.upstream.kind}"
+        node = node.upstream
+        for state in states:
+            check_header(state, node.kind, where)
+
+    new_states: list[dict[str, Any]] = []
+    for node, states, where in chain:
+        own: dict[str, Any] = {KIND: node.kind, VERSION: STATE_VERSION, **node._config()}
+        if isinstance(node, Shard):
+            own[REMAP] = _new_remap(node, states, epoch, cursors, where).to_json()
+        else:
+            for state in states:
+                node._check_config(state, where)
+        new_states.append(own)
+    for upper, lower in zip(new_states, new_states[1:]):
+        upper[UPSTREAM] = lower
+
+    shard = _find_shard(cursor)
+    remap = Remap.from_json(new_states[[n for n, _, _ in chain].index(shard)][REMAP], path)
+    topology = shard.topology
+    length = shard_size(remap.length, topology.consumer, topology.num_consumers)
+    new_states[0].update({EPOCH: epoch, POSITION: 0, LENGTH: length, ENDED: False})
+    return new_states[0]
+
+
+def _new_remap(shard: Shard[Any], olds: list[dict[str, Any]], epoch: int, cursors: list[int], path: str) -> Remap:
+    saved = [old.get(REMAP) for old in olds]
+    if any(remap != saved[0] for remap in saved):
+        raise StateError(f"{path}: old consumers hold different remaps; they come from different checkpoints")
+    previous = Remap.from_json(saved[0], path) if saved[0] is not None else None
+    if previous is not None and previous.epoch != epoch:
+        previous = None  # a remap of an earlier epoch, no longer in use
+    space = previous.length if previous is not None else len(shard.upstream)  # type: ignore[arg-type]
+    return rescale(previous, epoch, space, cursors)

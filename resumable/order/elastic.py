@@ -1,0 +1,209 @@
+"""Elastic re-split arithmetic: what old consumers left of an epoch, spread over new consumers.
+
+``C`` old consumers read a space of ``M`` positions in strides (consumer ``c`` owns ``c, c + C,
+...``) and stopped at cursors ``k_c`` (positions of their own stride read). What is left is
+
+* the *band*: for each ``c``, its positions ``c + p*C`` with ``k_c <= p < min(top, size_c)``,
+  where ``top = max k_c``, enumerated consumer by consumer, and
+* the *tail*: every position from ``top * C`` to ``M``.
+
+Band then tail form a new, dense space of positions that the new consumers stride over as
+usual, so new shards differ in size by at most one. A ``Level`` maps that space back to its
+parent; levels stack across rescales. Once every consumer of a level's space has passed its
+band, only the tail is ever asked for and the level compacts to an ``Offset``, one integer.
+Pure numpy functions over int64 arrays: nothing is materialised per position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence, Union
+
+import numpy as np
+
+from resumable.errors import StateError
+
+CONSUMERS = "consumers"
+TOP = "top"
+BEHIND = "behind"
+LENGTH = "length"
+SHIFT = "shift"
+
+
+def shard_sizes(total: int, num_consumers: int) -> np.ndarray:
+    """How many of the positions ``[0, total)`` each consumer owns (strides of ``num_consumers``)."""
+    consumers = np.arange(num_consumers, dtype=np.int64)
+    return np.where(consumers < total, (total - consumers + num_consumers - 1) // num_consumers, 0)
+
+
+@dataclass(frozen=True)
+class Level:
+    """The positions left by ``C`` consumers at ``cursors`` in a parent space of ``parent_length``."""
+
+    parent_length: int
+    cursors: np.ndarray  # k_c, int64, one per old consumer
+    top: int = field(init=False)
+    band: int = field(init=False)
+    _band_consumers: np.ndarray = field(init=False, repr=False)
+    _band_cursors: np.ndarray = field(init=False, repr=False)
+    _band_starts: np.ndarray = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        cursors = self.cursors
+        sizes = shard_sizes(self.parent_length, len(cursors))
+        top = int(cursors.max())
+        leftovers = np.minimum(top, sizes) - cursors
+        owners = np.flatnonzero(leftovers > 0)
+        starts = np.zeros(len(owners), dtype=np.int64)
+        np.cumsum(leftovers[owners][:-1], out=starts[1:])
+        object.__setattr__(self, "top", top)
+        object.__setattr__(self, "band", int(leftovers[owners].sum()))
+        object.__setattr__(self, "_band_consumers", owners.astype(np.int64))
+        object.__setattr__(self, "_band_cursors", cursors[owners])
+        object.__setattr__(self, "_band_starts", starts)
+
+    @property
+    def consumers(self) -> int:
+        return len(self.cursors)
+
+    @property
+    def tail_start(self) -> int:
+        """The first parent position of the tail (every position from here on is left)."""
+        return min(self.top * self.consumers, self.parent_length)
+
+    def __len__(self) -> int:
+        return self.band + self.parent_length - self.tail_start
+
+    def to_parent(self, positions: np.ndarray) -> np.ndarray:
+        """Parent positions of positions of this level's space."""
+        positions = np.asarray(positions, dtype=np.int64)
+        parents = positions - self.band + self.tail_start
+        in_band = positions < self.band
+        if in_band.any():
+            band_positions = positions[in_band]
+            owner = np.searchsorted(self._band_starts, band_positions, side="right") - 1
+            strides = self._band_cursors[owner] + band_positions - self._band_starts[owner]
+            parents[in_band] = self._band_consumers[owner] + strides * self.consumers
+        return parents
+
+    def floor(self) -> int:
+        """The lowest parent position this level can ask for."""
+        if self.band:
+            return int((self._band_consumers + self._band_cursors * self.consumers).min())
+        return self.tail_start
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            LENGTH: self.parent_length,
+            CONSUMERS: self.consumers,
+            TOP: self.top,
+            BEHIND: (self.top - self.cursors).tolist(),
+        }
+
+
+@dataclass(frozen=True)
+class Offset:
+    """A compacted level: position ``i`` of this space is ``i + shift`` of the parent."""
+
+    shift: int
+
+    def to_parent(self, positions: np.ndarray) -> np.ndarray:
+        return np.asarray(positions, dtype=np.int64) + self.shift
+
+    def to_json(self) -> dict[str, Any]:
+        return {SHIFT: self.shift}
+
+
+Step = Union[Level, Offset]
+
+
+@dataclass(frozen=True)
+class Remap:
+    """The positions of one epoch left over by earlier topologies: ``steps`` from the newest
+    space down to the epoch's own positions, and the size ``length`` of the newest space."""
+
+    epoch: int
+    length: int
+    steps: tuple[Step, ...]
+
+    def to_base(self, positions: np.ndarray) -> np.ndarray:
+        for step in self.steps:
+            positions = step.to_parent(positions)
+        return positions
+
+    def to_json(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, LENGTH: self.length, "steps": [step.to_json() for step in self.steps]}
+
+    @classmethod
+    def from_json(cls, value: Any, path: str) -> Remap:
+        if not isinstance(value, dict) or not isinstance(value.get("steps"), list):
+            raise StateError(f"{path}: remap entry {str(value)[:80]!r} is not a remap")
+        epoch, length = value.get("epoch"), value.get(LENGTH)
+        if not _is_count(epoch) or not _is_count(length):
+            raise StateError(f"{path}: remap epoch and length must be ints >= 0")
+        return cls(epoch, length, tuple(_step_from_json(step, path) for step in value["steps"]))
+
+
+def rescale(remap: Remap | None, epoch: int, space_length: int, cursors: Sequence[int]) -> Remap:
+    """The remap after old consumers stopped at ``cursors`` in a space of ``space_length``
+    (the newest space of ``remap``, or the epoch's positions when ``remap`` is None)."""
+    if remap is not None and (remap.epoch != epoch or remap.length != space_length):
+        raise StateError(f"remap of epoch {remap.epoch} over {remap.length} positions does not fit "
+                         f"epoch {epoch} over {space_length}")
+    cursor_array = np.asarray(cursors, dtype=np.int64)
+    sizes = shard_sizes(space_length, len(cursor_array))
+    bad = np.flatnonzero((cursor_array < 0) | (cursor_array > sizes))
+    if len(bad):
+        consumer = int(bad[0])
+        raise StateError(
+            f"consumer {consumer} of {len(cursor_array)} is at position {int(cursor_array[consumer])}, "
+            f"its shard has {int(sizes[consumer])}"
+        )
+    level = Level(space_length, cursor_array)
+    newest: Step = level if level.band else Offset(level.tail_start)
+    floor = level.floor()
+    steps: list[Step] = [newest]
+    for step in remap.steps if remap is not None else ():
+        if isinstance(step, Level) and floor >= step.band:  # every position asked for is in the tail
+            step = Offset(step.tail_start - step.band)
+        steps.append(step)
+        floor = floor + step.shift if isinstance(step, Offset) else step.floor()
+    return Remap(epoch, len(level), _merge_offsets(steps))
+
+
+def _merge_offsets(steps: list[Step]) -> tuple[Step, ...]:
+    merged: list[Step] = []
+    for step in steps:
+        if isinstance(step, Offset) and merged and isinstance(merged[-1], Offset):
+            merged[-1] = Offset(merged[-1].shift + step.shift)
+        else:
+            merged.append(step)
+    return tuple(step for step in merged if not (isinstance(step, Offset) and step.shift == 0))
+
+
+def _step_from_json(value: Any, path: str) -> Step:
+    if isinstance(value, dict) and set(value) == {SHIFT} and _is_int(value[SHIFT]):
+        return Offset(value[SHIFT])
+    if isinstance(value, dict) and set(value) == {LENGTH, CONSUMERS, TOP, BEHIND}:
+        length, consumers, top, behind = value[LENGTH], value[CONSUMERS], value[TOP], value[BEHIND]
+        if (
+            _is_count(length)
+            and _is_count(top)
+            and _is_count(consumers)
+            and consumers > 0
+            and isinstance(behind, list)
+            and len(behind) == consumers
+            and all(_is_count(b) and b <= top for b in behind)
+        ):
+            cursors = top - np.asarray(behind, dtype=np.int64)
+            if (cursors <= shard_sizes(length, consumers)).all():
+                return Level(length, cursors)
+    raise StateError(f"{path}: remap step {str(value)[:80]!r} is not a level or an offset")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_count(value: Any) -> bool:
+    return _is_int(value) and value >= 0

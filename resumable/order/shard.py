@@ -108,9 +108,8 @@ class Shard(IndexedNode[T]):
         return state
 
     def _load(self, state: Any, path: str, progress: bool = True) -> None:
-        remap = Remap.from_json(require(state, REMAP, dict, path), path) if REMAP in state else None
+        self.remap = Remap.from_json(require(state, REMAP, dict, path), path) if REMAP in state else None
         super()._load(state, path, progress)
-        self.remap = remap
 
     def _config(self) -> dict[str, Any]:
         topology = self.topology

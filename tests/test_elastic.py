@@ -1,0 +1,187 @@
+"""Elastic resume in one process: consumers simulated as ranks, rescaled several times within
+one epoch. Every document (every token, when packing) is delivered exactly once."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import resumable as rs
+from resumable.elastic import consumer_of, rescaled_state, restore
+
+SEQ_LEN = 16
+TOKEN_BASE = 1000  # token t of document d is d * TOKEN_BASE + t + 1: every token names itself
+
+
+def documents(count: int) -> list[dict[str, Any]]:
+    lengths = np.random.default_rng(count).integers(0, 3 * SEQ_LEN, size=count)
+    return [
+        {"id": d, "input_ids": (d * TOKEN_BASE + np.arange(length) + 1).tolist()}
+        for d, length in enumerate(lengths.tolist())
+    ]
+
+
+def keep(record: dict[str, Any]) -> bool:
+    return record["id"] % 5 != 3
+
+
+CHAINS: dict[str, Callable[[rs.Node, int, int], rs.Node]] = {
+    "shard": lambda s, r, w: s.shuffle(7).shard(r, w).map(lambda d: d["id"]),
+    "filter_batch": lambda s, r, w: s.shuffle(7).shard(r, w).filter(keep).map(lambda d: d["id"]).batch(3),
+    "pack_best_fit": lambda s, r, w: s.shuffle(7).shard(r, w).filter(keep).pack(SEQ_LEN, buffer_size=4),
+    "pack_greedy_batch": lambda s, r, w: s.shuffle(3).shard(r, w).pack(SEQ_LEN, strategy="greedy").batch(2),
+    "pack_first_fit_truncate": lambda s, r, w: s.shard(r, w).pack(
+        SEQ_LEN, strategy="first_fit", buffer_size=3, overlong="truncate"
+    ),
+}
+
+
+def delivered(chain: str, item: Any) -> list[int]:
+    """What an item delivers: document ids, or (packed) the tokens of its rows."""
+    if chain.startswith("pack"):
+        rows = item if isinstance(item, list) else [item]
+        return [int(t) for row in rows for t in row["input_ids"][row["document_ids"] > 0]]
+    return list(item) if isinstance(item, list) else [item]
+
+
+def expected(chain: str, docs: list[dict[str, Any]]) -> Counter[int]:
+    if chain == "shard":
+        return Counter(d["id"] for d in docs)
+    if chain == "filter_batch":
+        return Counter(d["id"] for d in docs if keep(d))
+    kept = [d for d in docs if keep(d)] if chain == "pack_best_fit" else docs
+    if chain == "pack_first_fit_truncate":
+        return Counter(t for d in kept for t in d["input_ids"][:SEQ_LEN])
+    return Counter(t for d in kept for t in d["input_ids"])
+
+
+def run_phases(chain: str, docs: list[dict[str, Any]], phases: list[tuple[int, list[float]]]) -> Counter[int]:
+    """Run consumers topology by topology: in each phase consumer ``c`` of ``C`` takes a fraction
+    of what its shard holds, then every state is saved (as JSON) and the next topology restores
+    from all of them. The last phase runs to the end of the epoch."""
+    seen: Counter[int] = Counter()
+    states: list[dict[str, Any]] | None = None
+    for number, (consumers, fractions) in enumerate(phases):
+        last = number == len(phases) - 1
+        new_states = []
+        for consumer in range(consumers):
+            pipe = CHAINS[chain](rs.from_list(docs), consumer, consumers)
+            if states is not None:
+                restore(pipe, states)
+            items = list(pipe) if last else take_fraction(pipe, fractions[consumer % len(fractions)])
+            for item in items:
+                seen.update(delivered(chain, item))
+            new_states.append(json.loads(json.dumps(pipe.get_state())))
+        states = new_states
+    return seen
+
+
+def take_fraction(pipe: rs.Node, fraction: float) -> list[Any]:
+    """About ``fraction`` of what the pipeline still holds (its state is a fresh copy)."""
+    probe = json.loads(json.dumps(pipe.get_state()))
+    remaining = sum(1 for _ in pipe)
+    pipe.set_state(probe)
+    count = int(round(fraction * remaining))
+    return [next(pipe) for _ in range(count)]
+
+
+@pytest.mark.parametrize("chain", sorted(CHAINS))
+def test_each_document_once_across_rescales(chain: str) -> None:
+    docs = documents(150)
+    phases = [(8, [0.3, 0.5, 0.2, 0.6]), (6, [0.4, 0.1, 0.7]), (1, [0.25]), (4, [1.0])]
+    assert run_phases(chain, docs, phases) == expected(chain, docs)
+
+
+@settings(deadline=None)
+@given(
+    chain=st.sampled_from(sorted(CHAINS)),
+    count=st.integers(0, 120),
+    phases=st.lists(
+        st.tuples(st.integers(1, 7), st.lists(st.floats(0, 1), min_size=1, max_size=4)), min_size=1, max_size=4
+    ),
+)
+def test_each_document_once_for_drawn_topologies(
+    chain: str, count: int, phases: list[tuple[int, list[float]]]
+) -> None:
+    docs = documents(count)
+    assert run_phases(chain, docs, phases) == expected(chain, docs)
+
+
+@pytest.mark.parametrize("chain", sorted(CHAINS))
+def test_same_topology_is_exact(chain: str) -> None:
+    docs = documents(60)
+    reference = [CHAINS[chain](rs.from_list(docs), c, 3) for c in range(3)]
+    heads = [[next(pipe) for _ in range(2)] for pipe in reference]
+    states = [pipe.get_state() for pipe in reference]
+    for consumer, pipe in enumerate(reference):
+        resumed = CHAINS[chain](rs.from_list(docs), consumer, 3)
+        restore(resumed, states)
+        assert resumed.get_state() == states[consumer]
+        assert [delivered(chain, x) for x in resumed] == [delivered(chain, x) for x in pipe]
+    assert all(len(head) == 2 for head in heads)
+
+
+def test_later_epochs_run_on_the_new_topology_from_the_start() -> None:
+    docs = documents(90)
+    build = CHAINS["pack_best_fit"]
+    old = [build(rs.from_list(docs), c, 5) for c in range(5)]
+    for pipe in old:
+        take_fraction(pipe, 0.5)
+    states = [pipe.get_state() for pipe in old]
+    for consumer in range(2):
+        resumed = build(rs.from_list(docs), consumer, 2)
+        restore(resumed, states)
+        list(resumed)  # the rest of the rescaled epoch
+        fresh = build(rs.from_list(docs), consumer, 2)
+        fresh.start_epoch(1)
+        following = [delivered("pack", row) for row in resumed]  # iterating again: epoch 1
+        assert following == [delivered("pack", row) for row in fresh]
+        assert "remap" not in json.dumps(resumed.get_state())
+
+
+def test_rescaled_state_is_small_and_says_who_it_is() -> None:
+    docs = documents(400)
+    build = CHAINS["filter_batch"]
+    old = [build(rs.from_list(docs), c, 16) for c in range(16)]
+    for c, pipe in enumerate(old):
+        for _ in range(c % 3 + 2):
+            next(pipe)
+    states = [pipe.get_state() for pipe in old]
+    new = build(rs.from_list(docs), 2, 3)
+    state = rescaled_state(new, states)
+    assert consumer_of(state) == (2, 3)
+    text = json.dumps(state)
+    assert '"behind": [' in text and len(text) < 2000, text
+
+
+def test_wrong_old_states_are_state_errors() -> None:
+    docs = documents(40)
+    build = CHAINS["shard"]
+    old = [build(rs.from_list(docs), c, 3) for c in range(3)]
+    states = [pipe.get_state() for pipe in old]
+    new = build(rs.from_list(docs), 0, 2)
+    with pytest.raises(rs.StateError, match="every consumer's, in order"):
+        restore(new, states[:2])
+    with pytest.raises(rs.StateError, match="every consumer's, in order"):
+        restore(new, states[::-1])
+    other = [CHAINS["shard"](rs.from_list(documents(41)), c, 3).get_state() for c in range(3)]
+    with pytest.raises(rs.StateError):
+        restore(new, other)
+    with pytest.raises(rs.StateError, match="no old states"):
+        restore(new, [])
+
+
+def test_unsupported_chains_are_config_errors() -> None:
+    docs = documents(20)
+    states = [rs.from_list(docs).shard(c, 2).shuffle(1).get_state() for c in range(2)]
+    with pytest.raises(rs.ConfigError, match="shard"):
+        restore(rs.from_list(docs).shard(0, 3).shuffle(1), states)
+    planned = [rs.from_list(docs).shard(c, 2).pack(SEQ_LEN, strategy="bfd").get_state() for c in range(2)]
+    with pytest.raises(rs.ConfigError, match="whole-epoch plan"):
+        restore(rs.from_list(docs).shard(0, 3).pack(SEQ_LEN, strategy="bfd"), planned)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 from resumable.errors import ConfigError
 
@@ -40,6 +42,23 @@ def inherit_rank(rank: int, world_size: int) -> None:
     _inherited_rank = (rank, world_size)
 
 
+# A topology assumed by this process while it builds and runs other consumers' pipelines
+# (replaying old workers and planning new ones in an elastic rescale).
+_assumed: Topology | None = None
+
+
+@contextmanager
+def assume(topology: Topology) -> Iterator[None]:
+    """Within the block, ``distributed_rank()`` and ``dataloader_worker()`` report ``topology``:
+    pipelines first used inside it shard as that consumer."""
+    global _assumed
+    previous, _assumed = _assumed, topology
+    try:
+        yield
+    finally:
+        _assumed = previous
+
+
 def distributed_rank() -> tuple[int, int]:
     """``(rank, world_size)`` from an initialised torch.distributed, else the rank a DataLoader
     worker inherited from its parent, else RANK/WORLD_SIZE, else (0, 1).
@@ -47,6 +66,8 @@ def distributed_rank() -> tuple[int, int]:
     torch is only consulted if already imported: if it is not, neither a process group nor a
     DataLoader worker can exist, and importing it would cost a second at start-up.
     """
+    if _assumed is not None:
+        return _assumed.rank, _assumed.world_size
     torch = sys.modules.get("torch")
     if torch is not None:
         dist = torch.distributed
@@ -67,6 +88,8 @@ def distributed_rank() -> tuple[int, int]:
 
 def dataloader_worker() -> tuple[int, int]:
     """``(worker_id, num_workers)`` inside a torch DataLoader worker, else (0, 1)."""
+    if _assumed is not None:
+        return _assumed.worker, _assumed.num_workers
     torch = sys.modules.get("torch")
     if torch is None:
         return 0, 1

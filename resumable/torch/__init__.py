@@ -4,7 +4,7 @@ rank discovery and atomic checkpoint files."""
 from resumable.order.topology import dataloader_worker, distributed_rank
 from resumable.torch.checkpoint import load, save
 from resumable.torch.dataset import PipelineDataset
-from resumable.torch.distributed import PerRank
+from resumable.torch.distributed import PerRank, load_all_ranks
 from resumable.torch.loader import Loader
 from resumable.torch.tdnodes import FromTorchdata, ToTorchdata
 
@@ -17,5 +17,6 @@ __all__ = [
     "dataloader_worker",
     "distributed_rank",
     "load",
+    "load_all_ranks",
     "save",
 ]

@@ -70,6 +70,9 @@ class PipelineDataset(IterableDataset):  # type: ignore[type-arg]
         self.rank = distributed_rank()
         # In the process that iterates: (process id, epoch told by set_epoch, epoch started).
         self._started: tuple[int, int, int] | None = None
+        # After an elastic rescale: the JSON pipeline state each worker (0 without workers)
+        # continues the epoch from, applied at the next iter() (see rs.torch.Loader).
+        self.rescaled: dict[int, str] | None = None
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch the next ``iter()`` starts (in every worker); also re-reads the rank."""
@@ -97,6 +100,10 @@ class PipelineDataset(IterableDataset):  # type: ignore[type-arg]
             epoch = started[2] + 1
         pipe.start_epoch(epoch)
         self._started = (pid, self.epoch, epoch)
+        if self.rescaled is not None:
+            info = get_worker_info()
+            pipe.set_state(json.loads(self.rescaled[info.id if info is not None else 0]))
+            self.rescaled = None  # later epochs start whole
         return WorkerIterator(pipe)
 
     def __getstate__(self) -> dict[str, Any]:

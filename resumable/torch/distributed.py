@@ -9,6 +9,7 @@ The state travels as one JSON string: DCP loads into the structure of the curren
 from __future__ import annotations
 
 import json
+import os
 from typing import Any, Protocol
 
 from resumable.errors import StateError
@@ -41,3 +42,19 @@ class PerRank:
         if not isinstance(state_dict.get(key), str):
             raise StateError(f"PerRank: the checkpoint has no state for rank {rank} of {world_size}")
         self.stateful.load_state_dict(json.loads(state_dict[key]))
+
+
+def load_all_ranks(checkpoint_id: str | os.PathLike[str], key: str = "data") -> list[dict[str, Any]]:
+    """Every old rank's state from a ``torch.distributed.checkpoint`` saved with
+    ``{key: PerRank(...)}``, in rank order: what ``Loader.load_state_dict`` takes to resume
+    on another number of ranks. Collective when a process group is initialised."""
+    import torch.distributed.checkpoint as dcp
+
+    metadata = dcp.FileSystemReader(checkpoint_id).read_metadata()
+    prefix = f"{key}.{rank_key(0)[:-1]}"
+    ranks = sorted(int(name[len(prefix) :]) for name in metadata.state_dict_metadata if name.startswith(prefix))
+    if ranks != list(range(len(ranks))) or not ranks:
+        raise StateError(f"PerRank: checkpoint {checkpoint_id} holds ranks {ranks} under {key!r}, not 0..n-1")
+    target: dict[str, Any] = {key: {rank_key(rank): "" for rank in ranks}}
+    dcp.load(target, checkpoint_id=checkpoint_id)
+    return [json.loads(target[key][rank_key(rank)]) for rank in ranks]

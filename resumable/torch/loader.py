@@ -9,7 +9,7 @@ import signal
 import threading
 import warnings
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.stateful_dataloader import (
@@ -21,6 +21,7 @@ from resumable.errors import ConfigError, StateError
 from resumable.order.topology import distributed_rank
 from resumable.state import check_json, require, require_count
 from resumable.torch.dataset import PipelineDataset, PipelineOrFactory
+from resumable.torch.elastic import factory_of, rescale_for_rank
 
 FORMAT = "format"
 FORMAT_NAME = "resumable.Loader/1"
@@ -94,14 +95,18 @@ class Loader(StatefulDataLoader):
 
     def __iter__(self) -> Any:
         restored = self.next_iter_state
-        if restored is None or restored.get(_ITERATOR_FINISHED, False):
+        rescaled = self.dataset.rescaled is not None  # type: ignore[attr-defined]
+        if not rescaled and (restored is None or restored.get(_ITERATOR_FINISHED, False)):
             self._epoch += 1  # a new epoch, not the continuation of a restored one
         self.dataset.set_epoch(max(self._epoch, 0))  # type: ignore[attr-defined]
         try:
-            return super().__iter__()
+            iterator = super().__iter__()
         except BaseException as error:
             _shut_down_half_built_iterators(error)
             raise
+        if rescaled and self.num_workers:
+            self.dataset.rescaled = None  # type: ignore[attr-defined]  # the workers have their copies
+        return iterator
 
     def close(self) -> None:
         """Stop the workers now. The next ``iter()`` starts new ones where this one stopped."""
@@ -145,8 +150,52 @@ class Loader(StatefulDataLoader):
         }
         return state
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Continue exactly after the last batch handed out when ``state_dict`` was taken."""
+    def load_state_dict(self, state_dict: dict[str, Any] | Sequence[dict[str, Any]]) -> None:
+        """Continue exactly after the last batch handed out when ``state_dict`` was taken.
+
+        Given the states of *every* rank of the old job (a list, in rank order), continue
+        its epoch on this job's ranks and workers, however many: see ``resumable.elastic``.
+        """
+        if isinstance(state_dict, (list, tuple)):
+            self._load_all_ranks(state_dict)
+            return
+        self._load_own(state_dict)
+
+    def _load_all_ranks(self, states: Sequence[dict[str, Any]]) -> None:
+        path = "Loader"
+        check_json(list(states), path)
+        if not states:
+            raise StateError(f"{path}: no rank states to resume from")
+        for index, state in enumerate(states):
+            where = f"{path} (old rank {index})"
+            if not isinstance(state, dict) or state.get(FORMAT) != FORMAT_NAME:
+                raise StateError(f"{where}: not a resumable Loader state (format {FORMAT_NAME!r} expected)")
+            saved = (require(state, RANK, int, where), require(state, WORLD_SIZE, int, where))
+            if saved != (index, len(states)):
+                raise StateError(
+                    f"{path}: give every old rank's state in rank order; entry {index} of {len(states)} is "
+                    f"rank {saved[0]} of {saved[1]}"
+                )
+            require(state, NUM_WORKERS, int, where)
+            require(state, LOADER, dict, where)
+        epochs = {require_count(state, EPOCH, path) for state in states}
+        if len(epochs) != 1:
+            raise StateError(f"{path}: old ranks were in different epochs {sorted(epochs)}")
+        rank, world_size = distributed_rank()
+        same = len(states) == world_size and all(state[NUM_WORKERS] == self.num_workers for state in states)
+        if same:
+            self._load_own(states[rank])
+            return
+        epoch = epochs.pop()
+        self.next_iter_state, self._iterator = None, None
+        self._epoch = epoch
+        if all(state[LOADER].get(_ITERATOR_FINISHED, False) for state in states):
+            return  # taken between epochs: the next iter() starts the next epoch on this topology
+        dataset: PipelineDataset = self.dataset  # type: ignore[assignment]
+        build = factory_of(dataset._pipeline, dataset._factory)
+        dataset.rescaled = rescale_for_rank(build, states, rank, world_size, self.num_workers)
+
+    def _load_own(self, state_dict: dict[str, Any]) -> None:
         path = "Loader"
         check_json(state_dict, path)
         if not isinstance(state_dict, dict) or state_dict.get(FORMAT) != FORMAT_NAME:
@@ -158,6 +207,7 @@ class Loader(StatefulDataLoader):
                 raise StateError(f"{path}: state was saved with {key}={saved}, this loader has {key}={current}")
         epoch = require_count(state_dict, EPOCH, path)
         self._epoch = epoch
+        self.dataset.rescaled = None  # type: ignore[attr-defined]
         super().load_state_dict(require(state_dict, LOADER, dict, path))
 
 

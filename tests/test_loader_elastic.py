@@ -1,0 +1,86 @@
+"""rs.torch.Loader resumed on another number of workers (one rank): the interrupted epoch
+delivers each document once, and later epochs are the new topology's own."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+
+import resumable as rs
+from resumable.torch import Loader
+
+DOCUMENTS = 157
+
+
+def build() -> rs.Node:
+    return rs.from_list(list(range(DOCUMENTS))).shuffle(seed=2).shard().filter(lambda x: x % 6 != 1).batch(4)
+
+
+def items(batches: list[Any]) -> list[int]:
+    return [int(x) for batch in batches for x in batch]
+
+
+EPOCH = sorted(x for x in range(DOCUMENTS) if x % 6 != 1)
+
+
+@pytest.mark.parametrize(("old_workers", "new_workers", "taken"), [(3, 2, 5), (2, 0, 9), (0, 3, 4), (1, 2, 30)])
+def test_other_worker_count_continues_the_epoch_then_runs_its_own(old_workers: int, new_workers: int, taken: int) -> None:
+    old = Loader(build, num_workers=old_workers)
+    iterator = iter(old)
+    head = [next(iterator) for _ in range(taken)]
+    state = json.loads(json.dumps(old.state_dict()))
+    old.close()
+
+    new = Loader(build, num_workers=new_workers)
+    new.load_state_dict([state])
+    rest = list(new)
+    assert sorted(items(head + rest)) == EPOCH, "each document of the interrupted epoch once"
+    next_epoch = list(new)
+
+    fresh = Loader(build, num_workers=new_workers)
+    list(fresh)
+    assert items(next_epoch) == items(list(fresh)), "epoch 1 as if the new topology had always run"
+    assert sorted(items(next_epoch)) == EPOCH
+
+
+def test_same_topology_through_a_list_is_exact() -> None:
+    reference = Loader(build, num_workers=2)
+    expected = items(list(reference))
+    old = Loader(build, num_workers=2)
+    iterator = iter(old)
+    head = [next(iterator) for _ in range(7)]
+    state = old.state_dict()
+    old.close()
+    new = Loader(build, num_workers=2)
+    new.load_state_dict([state])
+    assert items(head + list(new)) == expected
+
+
+def test_state_taken_between_epochs_starts_the_next_epoch_on_the_new_topology() -> None:
+    old = Loader(build, num_workers=3)
+    list(old)
+    state = old.state_dict()
+    new = Loader(build, num_workers=2)
+    new.load_state_dict([state])
+    fresh = Loader(build, num_workers=2)
+    list(fresh)
+    assert items(list(new)) == items(list(fresh))
+    assert new.epoch == 1
+
+
+def test_incomplete_or_mixed_rank_states_are_state_errors() -> None:
+    old = Loader(build, num_workers=0)
+    next(iter(old))
+    state = old.state_dict()
+    other_rank = dict(state, rank=1, world_size=2)
+    new = Loader(build, num_workers=2)
+    with pytest.raises(rs.StateError, match="every old rank's state in rank order"):
+        new.load_state_dict([other_rank])
+    with pytest.raises(rs.StateError, match="no rank states"):
+        new.load_state_dict([])
+    with pytest.raises(rs.StateError, match="not a resumable Loader state"):
+        new.load_state_dict([{"format": "x"}])
+    assert np.array_equal(np.sort(items(list(Loader(build)))), EPOCH)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from resumable.errors import StateError
+from resumable.order.elastic import Offset, Remap
 from resumable.state import ENDED, KIND, UPSTREAM, VERSION
 
 CURSOR_KEYS = ("epoch", "position", "length")
@@ -163,7 +164,7 @@ def _node_details(state: dict[str, Any]) -> list[str]:
     for node in chain(state):
         fields = []
         for key, value in node.items():
-            if key in (KIND, VERSION, UPSTREAM, ENDED, "files", "components", *CURSOR_KEYS):
+            if key in (KIND, VERSION, UPSTREAM, ENDED, "files", "components", "remap", *CURSOR_KEYS):
                 continue
             if isinstance(value, list):
                 fields.append(f"{key}: {len(value)} entries")
@@ -175,6 +176,8 @@ def _node_details(state: dict[str, Any]) -> list[str]:
             lines.append(f"  {node[KIND]}: " + ", ".join(fields))
         if node[KIND] == "Pack":
             lines.append("    buffer: " + _pack_buffer(node))
+        if isinstance(node.get("remap"), dict):
+            lines.extend("    " + line for line in _remap_lines(node["remap"]))
         for name, component in (node.get("components") or {}).items():
             lines.append(f"    component {name}: {_cursor_text(component)}")
             lines.extend("    " + line for line in _node_details(component))
@@ -194,11 +197,33 @@ def _pack_buffer(node: dict[str, Any]) -> str:
     """The packer's buffered references: open rows still filling, closed rows not yet emitted."""
     open_pieces, open_rows = len(node.get("open", [])), len(node.get("open_sizes", []))
     ready_pieces, ready_rows = len(node.get("ready", [])), len(node.get("ready_sizes", []))
-    documents = {(ref[0], ref[1]) for ref in [*node.get("open", []), *node.get("ready", [])] if isinstance(ref, list)}
-    return (
+    inherited = node.get("inherited", [])
+    references = [*node.get("open", []), *node.get("ready", []), *inherited]
+    documents = {(ref[0], ref[1]) for ref in references if isinstance(ref, list)}
+    text = (
         f"{len(documents)} documents referenced: {open_pieces} pieces in {open_rows} open groups, "
         f"{ready_pieces} pieces in {ready_rows} closed rows not yet emitted"
     )
+    if inherited:
+        text += f", {len(inherited)} pieces inherited from other consumers in a rescale"
+    return text
+
+
+def _remap_lines(value: dict[str, Any]) -> list[str]:
+    """An elastic rescale's remap: what this shard strides over, level by level."""
+    remap = Remap.from_json(value, "Shard")
+    lines = [f"rescaled epoch {remap.epoch}: strides over the {remap.length:,} positions left by earlier topologies"]
+    for step in remap.steps:
+        if isinstance(step, Offset):
+            lines.append(f"  compacted level: position + {step.shift:,}")
+            continue
+        cursors = step.cursors
+        lines.append(
+            f"  level of {step.consumers:,} old consumers over {step.parent_length:,} positions: cursors "
+            f"{int(cursors.min()):,}..{step.top:,}, band of {step.band:,} unread positions, "
+            f"tail from {step.tail_start:,}"
+        )
+    return lines
 
 
 def _files(state: dict[str, Any]) -> list[str]:

@@ -98,3 +98,22 @@ def test_mix_components_are_described(tmp_path: Path) -> None:
     out = describe(str(tmp_path / "mix.json"))
     assert "component web: Shuffle > FromList, epoch 0, position" in out
     assert "component code: Shuffle > FromList" in out
+
+
+def test_rescaled_state_shows_its_band_and_inherited_pieces(tmp_path: Path) -> None:
+    from resumable.elastic import restore
+
+    def packed(rank: int, world_size: int) -> rs.Node:
+        documents = [{"input_ids": list(range(1 + i % 23))} for i in range(200)]
+        return rs.from_list(documents).shuffle(1).shard(rank, world_size).pack(16, buffer_size=8)
+
+    old = [packed(c, 4) for c in range(4)]
+    for consumer, pipe in enumerate(old):
+        take(pipe, 3 + consumer)
+    new = packed(1, 3)
+    restore(new, [pipe.get_state() for pipe in old])
+    rs.save_state(new.get_state(), tmp_path / "rescaled.json")
+    out = describe(str(tmp_path / "rescaled.json"))
+    assert "rescaled epoch 0: strides over the" in out
+    assert "level of 4 old consumers over 200 positions: cursors" in out and "band of" in out
+    assert "pieces inherited from other consumers in a rescale" in out

@@ -15,6 +15,7 @@ from resumable.sources.arrow import arrow, from_hf
 from resumable.sources.jsonl import jsonl
 from resumable.sources.memory import from_list
 from resumable.sources.parquet import parquet
+from resumable.sources.stream import jsonl_stream
 
 __version__ = "0.1.0"
 
@@ -30,6 +31,7 @@ __all__ = [
     "from_hf",
     "from_list",
     "jsonl",
+    "jsonl_stream",
     "load_state",
     "mix",
     "nodes",

@@ -14,7 +14,8 @@ From the next epoch on, the new topology reads whole epochs as if it had always 
 With the same topology, ``restore`` loads the consumer's own state: bit-exact, as always.
 
 Supported chains: an indexed part ending in ``.shard()`` (optionally followed by serial
-``.map()``), then any of filter, map, batch, prefetch, parallel map, repeat and pack
+``.map()``), or a file-sharded ``rs.jsonl_stream`` (its work items, a file and a byte offset
+each, are dealt out), then any of filter, map, batch, prefetch, parallel map, repeat and pack
 (streaming strategies). Shuffles after the shard, a whole-epoch ``bfd`` plan and ``mix`` raise
 ``ConfigError``.
 """
@@ -29,21 +30,22 @@ from resumable.ops.map import IndexedMap
 from resumable.order.elastic import Remap, rescale
 from resumable.order.partition import shard_size
 from resumable.order.shard import NUM_WORKERS, RANK, REMAP, WORKER, WORLD_SIZE, Shard
+from resumable.sources.stream import JsonlStream
 from resumable.state import ENDED, KIND, STATE_VERSION, UPSTREAM, VERSION, check_header, check_json, require
 
 __all__ = ["restore", "rescaled_state", "consumer_of"]
 
 
 def consumer_of(state: dict[str, Any], path: str = "state") -> tuple[int, int]:
-    """``(consumer, num_consumers)`` of the shard in a pipeline state."""
-    node = state
+    """``(consumer, num_consumers)`` of the partitioning node (shard or file-sharded stream)."""
+    node: Any = state
     while isinstance(node, dict):
-        if node.get(KIND) == Shard.kind:
+        if node.get(KIND) in (Shard.kind, JsonlStream.kind):
             rank, world_size = require(node, RANK, int, path), require(node, WORLD_SIZE, int, path)
             worker, num_workers = require(node, WORKER, int, path), require(node, NUM_WORKERS, int, path)
             return rank * num_workers + worker, world_size * num_workers
         node = node.get(UPSTREAM)
-    raise StateError(f"{path}: the state has no Shard node, so it does not say which consumer it is")
+    raise StateError(f"{path}: the state has no Shard or stream node, so it does not say which consumer it is")
 
 
 def restore(pipeline: Node[Any], old_states: Sequence[dict[str, Any]]) -> None:
@@ -57,8 +59,8 @@ def rescaled_state(pipeline: Node[Any], old_states: Sequence[dict[str, Any]]) ->
         raise StateError(f"{pipeline.kind}: no old states to rescale from")
     for index, old in enumerate(old_states):
         check_json(old, f"{pipeline.kind} (old consumer {index})")
-    shard = _find_shard(pipeline)
-    consumer, num_consumers = shard.topology.consumer, shard.topology.num_consumers
+    topology = _partitioner(pipeline).topology
+    consumer, num_consumers = topology.consumer, topology.num_consumers
     for index, old in enumerate(old_states):
         saved = consumer_of(old, f"{pipeline.kind} (old consumer {index})")
         if saved != (index, len(old_states)):
@@ -69,6 +71,16 @@ def rescaled_state(pipeline: Node[Any], old_states: Sequence[dict[str, Any]]) ->
     if len(old_states) == num_consumers:
         return old_states[consumer]  # same topology: exact
     return _rescale_node(pipeline, list(old_states), pipeline.kind, consumer, num_consumers)
+
+
+def _partitioner(pipeline: Node[Any]) -> Shard[Any] | JsonlStream:
+    """The node that splits the epoch over consumers: a file-sharded stream or a shard."""
+    node: Node[Any] | None = pipeline
+    while node is not None and not isinstance(node, (IndexedNode, JsonlStream)):
+        node = node.upstream
+    if isinstance(node, JsonlStream):
+        return node
+    return _find_shard(pipeline)
 
 
 def _find_shard(pipeline: Node[Any]) -> Shard[Any]:

@@ -295,6 +295,9 @@ class IndexedNode(Node[T]):
 
     upstream: IndexedNode[Any] | None
     _upstream_progress = False
+    _chunk: Sequence[Any]
+    _chunk_leaves: np.ndarray | None  # leaf indices of the chunk, for last_key()
+    _chunk_start: int
 
     def __init__(self, upstream: IndexedNode[Any] | None = None) -> None:
         if upstream is not None and not isinstance(upstream, IndexedNode):
@@ -430,8 +433,8 @@ class IndexedNode(Node[T]):
     # derived from how many raw records the chunk's list iterator has left.
 
     def _reset_cursor(self, position: int) -> None:
-        self._chunk: Sequence[Any] = ()
-        self._chunk_leaves: np.ndarray | None = None  # leaf indices of the chunk, for last_key()
+        self._chunk = ()
+        self._chunk_leaves = None
         self._chunk_start = position
         self._chunk_size = MIN_CHUNK
         self._pending: Iterator[Any] = iter(())

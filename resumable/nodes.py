@@ -18,6 +18,7 @@ from resumable.sources.jsonl import JsonlSource
 from resumable.sources.memory import FromList
 from resumable.sources.parquet import ParquetSource
 from resumable.sources.source import Source
+from resumable.sources.stream import JsonlStream
 
 __all__ = [
     "ArrowSource",
@@ -30,6 +31,7 @@ __all__ = [
     "IndexedMap",
     "IndexedNode",
     "JsonlSource",
+    "JsonlStream",
     "Map",
     "MapError",
     "Mix",

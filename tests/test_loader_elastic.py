@@ -27,7 +27,9 @@ EPOCH = sorted(x for x in range(DOCUMENTS) if x % 6 != 1)
 
 
 @pytest.mark.parametrize(("old_workers", "new_workers", "taken"), [(3, 2, 5), (2, 0, 9), (0, 3, 4), (1, 2, 30)])
-def test_other_worker_count_continues_the_epoch_then_runs_its_own(old_workers: int, new_workers: int, taken: int) -> None:
+def test_other_worker_count_continues_the_epoch_then_runs_its_own(
+    old_workers: int, new_workers: int, taken: int
+) -> None:
     old = Loader(build, num_workers=old_workers)
     iterator = iter(old)
     head = [next(iterator) for _ in range(taken)]
@@ -84,3 +86,25 @@ def test_incomplete_or_mixed_rank_states_are_state_errors() -> None:
     with pytest.raises(rs.StateError, match="not a resumable Loader state"):
         new.load_state_dict([{"format": "x"}])
     assert np.array_equal(np.sort(items(list(Loader(build)))), EPOCH)
+
+
+def test_file_sharded_stream_through_the_loader(tmp_path: Any) -> None:
+    for f in range(9):
+        (tmp_path / f"part{f}.jsonl").write_text("".join(json.dumps({"id": f * 50 + i}) + "\n" for i in range(f + 5)))
+    pattern = str(tmp_path / "part*.jsonl")
+    everything = sorted(f * 50 + i for f in range(9) for i in range(f + 5))
+
+    def stream() -> rs.Node:
+        return rs.jsonl_stream(pattern, shuffle_files=3).map(lambda r: r["id"]).batch(3)
+
+    old = Loader(stream, num_workers=3)
+    iterator = iter(old)
+    head = [next(iterator) for _ in range(4)]
+    state = old.state_dict()
+    old.close()
+    new = Loader(stream, num_workers=2)
+    new.load_state_dict([state])
+    assert sorted(items(head + list(new))) == everything
+    fresh = Loader(stream, num_workers=2)
+    list(fresh)
+    assert items(list(new)) == items(list(fresh))

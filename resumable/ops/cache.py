@@ -233,7 +233,7 @@ class Cache(IndexedNode[T]):
         return len(self.upstream)  # type: ignore[arg-type]
 
     @property
-    def leaf(self) -> Cache[T]:
+    def leaf(self) -> Cache[T]:  # type: ignore[override]  # the cache is the leaf of the chain above it
         return self
 
     def _leaf_indices(self, positions: np.ndarray, epoch: int) -> np.ndarray:

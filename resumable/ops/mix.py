@@ -105,6 +105,10 @@ class Mix(Node[T]):
         schedule: ``"smooth"`` (largest credit first) or ``"random"`` (keyed draws).
     """
 
+    _last: str | None
+    _cached_plan: tuple[list[str], dict[str, float]] | None
+    _cached_base: int | None
+
     def __init__(
         self,
         components: Mapping[str, Node[Any]],
@@ -321,9 +325,9 @@ class Mix(Node[T]):
         self._active = {name: True for name in self.names}
         self._restarts = {name: 0 for name in self.names}
         self._fresh = {name: False for name in self.names}
-        self._last: str | None = None
-        self._cached_plan: tuple[list[str], dict[str, float]] | None = None
-        self._cached_base: int | None = None
+        self._last = None
+        self._cached_plan = None
+        self._cached_base = None
 
     # -- provenance ------------------------------------------------------------------------------
 

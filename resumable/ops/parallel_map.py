@@ -128,7 +128,7 @@ class ParallelMap(Node[U]):
         upstream, window = self.upstream, self._window
         while not self._upstream_done and len(window) < self.max_in_flight:
             try:
-                item = next(upstream)  # type: ignore[call-overload]
+                item = next(upstream)  # type: ignore[call-overload,arg-type]
             except StopIteration:
                 self._upstream_done = True
                 window.append((_END, None, upstream._state(progress=True), upstream.last_key()))  # type: ignore[union-attr]

@@ -139,7 +139,7 @@ class Remap:
         if not isinstance(value, dict) or not isinstance(value.get("steps"), list):
             raise StateError(f"{path}: remap entry {str(value)[:80]!r} is not a remap")
         epoch, length = value.get("epoch"), value.get(LENGTH)
-        if not _is_count(epoch) or not _is_count(length):
+        if not isinstance(epoch, int) or not isinstance(length, int) or not _is_count(epoch) or not _is_count(length):
             raise StateError(f"{path}: remap epoch and length must be ints >= 0")
         return cls(epoch, length, tuple(_step_from_json(step, path) for step in value["steps"]))
 

@@ -303,7 +303,7 @@ class Pack(Node[dict[str, np.ndarray]]):
             return
         upstream = self.upstream
         try:
-            record = next(upstream)  # type: ignore[call-overload]
+            record = next(upstream)  # type: ignore[call-overload,arg-type]
         except StopIteration:
             self._exhausted = True
             self._ready.extend(self._packer.flush())

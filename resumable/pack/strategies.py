@@ -439,12 +439,11 @@ def best_fit_decreasing(lengths: np.ndarray, seq_len: int, max_items: int | None
             rows[row_id].append(index)
             capacity -= length
         if capacity and len(rows[row_id]) < limit:
-            bucket = buckets.get(capacity)
-            if bucket is None:
+            if capacity in buckets:
+                buckets[capacity].append(row_id)
+            else:
                 buckets[capacity] = [row_id]
                 insort(capacities, capacity)
-            else:
-                bucket.append(row_id)
     for row in rows:
         row.sort()
     rows.sort(key=lambda row: row[0])

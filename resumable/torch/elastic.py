@@ -121,4 +121,7 @@ def factory_of(pipeline: Node[Any] | None, factory: Callable[[], Node[Any]] | No
     """A function building fresh copies of the loader's pipeline."""
     if factory is not None:
         return factory
-    return lambda: copy.deepcopy(pipeline)  # type: ignore[return-value]
+    if pipeline is None:
+        raise StateError("Loader: its dataset holds neither a pipeline nor a factory")
+    template = pipeline
+    return lambda: copy.deepcopy(template)

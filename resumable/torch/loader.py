@@ -117,7 +117,7 @@ class Loader(StatefulDataLoader):
         self.load_state_dict(state)
 
     def _stop_workers(self) -> None:
-        iterator: object = self._iterator
+        iterator: object = self._iterator  # type: ignore[has-type]
         self._iterator = None
         if isinstance(iterator, _StatefulMultiProcessingDataLoaderIter):
             iterator._shutdown_workers()
@@ -156,10 +156,10 @@ class Loader(StatefulDataLoader):
         Given the states of *every* rank of the old job (a list, in rank order), continue
         its epoch on this job's ranks and workers, however many: see ``resumable.elastic``.
         """
-        if isinstance(state_dict, (list, tuple)):
+        if isinstance(state_dict, dict):
+            self._load_own(state_dict)
+        else:
             self._load_all_ranks(state_dict)
-            return
-        self._load_own(state_dict)
 
     def _load_all_ranks(self, states: Sequence[dict[str, Any]]) -> None:
         path = "Loader"

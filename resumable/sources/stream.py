@@ -1,0 +1,271 @@
+"""Streaming JSONL: files that cannot be indexed (gzip), sharded by file, resumed by byte offset.
+
+Consumer ``c`` of ``C`` reads the files at ``c, c + C, ...`` of the epoch's file order (sorted,
+or a keyed permutation per epoch with ``shuffle_files``), line by line. Its state is the
+queue of files it has left, as ``[file, byte offset, line]`` work items: the head one is the
+file being read and where its next line starts (offsets count decompressed bytes). An elastic
+rescale deals the old consumers' work items out over the new ones. Resuming inside a gzip file
+decompresses up to the offset (gzip has no random access); plain files seek.
+"""
+
+from __future__ import annotations
+
+import gzip
+import logging
+import os
+from typing import IO, Any
+
+import numpy as np
+import orjson
+
+from resumable.errors import ConfigError, SourceError, StateError
+from resumable.node import Node, RecordKey
+from resumable.order.lcg import Permutation
+from resumable.order.topology import Topology, dataloader_worker, distributed_rank
+from resumable.sources.files import Paths, check_fingerprints, expand_paths, fingerprint
+from resumable.state import ENDED, KIND, STATE_VERSION, VERSION, check_config, require, require_count
+
+logger = logging.getLogger("resumable")
+
+FILES = "files"
+ON_ERROR = "on_error"
+SHUFFLE_FILES = "shuffle_files"
+RANK = "rank"
+WORLD_SIZE = "world_size"
+WORKER = "worker"
+NUM_WORKERS = "num_workers"
+EPOCH = "epoch"
+QUEUE = "queue"
+TOPOLOGY_KEYS = (RANK, WORLD_SIZE, WORKER, NUM_WORKERS)
+
+OFFSET_BITS = 40  # a record key packs (file, byte offset): offsets below 1 TiB per file
+LOGGED_SKIPS = 10
+
+
+class JsonlStream(Node[Any]):
+    """Records of JSONL files (``.jsonl`` or ``.jsonl.gz``) read as streams, split by file.
+
+    Use it for data that cannot be indexed; ``rs.jsonl`` (indexed: global shuffle, seek-based
+    resume anywhere, an even split of records) is better whenever it can be used. With fewer
+    files than consumers some consumers read nothing.
+    """
+
+    def __init__(
+        self,
+        paths: Paths,
+        on_error: str = "raise",
+        shuffle_files: int | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        split_workers: bool = True,
+    ) -> None:
+        super().__init__()
+        if on_error not in ("raise", "skip"):
+            raise ConfigError(f"{self.kind}: on_error must be 'raise' or 'skip', got {on_error!r}")
+        if shuffle_files is not None and (isinstance(shuffle_files, bool) or not isinstance(shuffle_files, int)):
+            raise ConfigError(f"{self.kind}: shuffle_files must be an int seed or None, got {shuffle_files!r}")
+        if (rank is None) != (world_size is None):
+            raise ConfigError(f"{self.kind}: give both rank and world_size, or neither")
+        self.paths = expand_paths(paths, self.kind)
+        self._fingerprints = [fingerprint(path) for path in self.paths]
+        self.on_error = on_error
+        self.shuffle_files = shuffle_files
+        self._rank, self._world_size, self.split_workers = rank, world_size, split_workers
+        self._resolved: tuple[int, Topology] | None = None
+        self._epoch = 0
+        self._queue: list[list[int]] | None = None  # [file, offset, line] work items; None: not yet assigned
+        self._handle: IO[bytes] | None = None
+        self._last: RecordKey | None = None
+        self.skipped = 0
+
+    @property
+    def topology(self) -> Topology:
+        """This process's consumer; resolved again after a fork (a new DataLoader worker)."""
+        pid = os.getpid()
+        if self._resolved is None or self._resolved[0] != pid:
+            if self._rank is None:
+                rank, world_size = distributed_rank()
+            else:
+                rank, world_size = self._rank, self._world_size  # type: ignore[assignment]
+            worker, num_workers = dataloader_worker() if self.split_workers else (0, 1)
+            self._resolved = (pid, Topology(rank, world_size, worker, num_workers))
+            self._queue = None
+        return self._resolved[1]
+
+    def files_of_epoch(self, epoch: int) -> list[int]:
+        """This consumer's files in ``epoch``, in reading order."""
+        order = np.arange(len(self.paths), dtype=np.int64)
+        if self.shuffle_files is not None:
+            order = Permutation(len(self.paths), self.shuffle_files, epoch).take(order)
+        topology = self.topology
+        return order[topology.consumer :: topology.num_consumers].tolist()
+
+    @property
+    def queue(self) -> list[list[int]]:
+        topology = self.topology  # resolves first: a new process gets its own assignment
+        del topology
+        if self._queue is None:
+            self._queue = [[file, 0, 0] for file in self.files_of_epoch(self._epoch)]
+        return self._queue
+
+    # -- iteration ----------------------------------------------------------------------------
+
+    def _next(self) -> Any:
+        queue = self._queue if self._queue is not None else self.queue
+        while queue:
+            file, offset, line = queue[0]
+            handle = self._handle or self._open(file, offset)
+            raw = handle.readline()
+            if not raw:
+                self._close_handle()
+                queue.pop(0)
+                continue
+            queue[0] = [file, offset + len(raw), line + 1]
+            if not raw.strip():
+                continue
+            try:
+                record = orjson.loads(raw)
+            except orjson.JSONDecodeError as error:
+                self._reject(file, line + 1, error)
+                continue
+            self._last = (self._epoch, file << OFFSET_BITS | offset)
+            return record
+        raise StopIteration
+
+    def _open(self, file: int, offset: int) -> IO[bytes]:
+        path = self.paths[file]
+        if fingerprint(path)[1:] != self._fingerprints[file][1:]:
+            raise SourceError(f"{self.kind}: file {path!r} changed since the pipeline was built")
+        handle = _open(path)
+        handle.seek(offset)
+        self._handle = handle
+        return handle
+
+    def _close_handle(self) -> None:
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+
+    def _reject(self, file: int, line: int, error: Exception) -> None:
+        where = f"{self.paths[file]}:{line}"
+        if self.on_error == "skip":
+            self.skipped += 1
+            if self.skipped <= LOGGED_SKIPS:
+                logger.warning("%s: skipped malformed JSON record (%s)", where, error)
+            return
+        raise SourceError(f"{where}: malformed JSON record: {error}") from error
+
+    def last_key(self) -> RecordKey | None:
+        return self._last
+
+    def fetch(self, key: RecordKey) -> Any:
+        """The record whose line starts at the byte offset packed in ``key`` (gzip: decompresses
+        up to it)."""
+        _, packed = key
+        file, offset = packed >> OFFSET_BITS, packed & ((1 << OFFSET_BITS) - 1)
+        if not 0 <= file < len(self.paths):
+            raise IndexError(f"{self.kind}: record key {key!r} names no file")
+        path = self.paths[file]
+        with _open(path) as handle:
+            handle.seek(offset)
+            raw = handle.readline()
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError as error:
+            raise SourceError(f"{path}: no JSON record at byte {offset}: {error}") from error
+
+    # -- epochs, state, shutdown ----------------------------------------------------------------
+
+    def _begin_epoch(self, epoch: int | None) -> None:
+        self._epoch = self._epoch + 1 if epoch is None else epoch
+        self._close_handle()
+        self._queue = None
+        self._last = None
+        self._ended = False
+
+    def _shutdown(self) -> None:
+        self._close_handle()
+
+    def _config(self) -> dict[str, Any]:
+        topology = self.topology
+        return {
+            ON_ERROR: self.on_error,
+            SHUFFLE_FILES: self.shuffle_files,
+            RANK: topology.rank,
+            WORLD_SIZE: topology.world_size,
+            WORKER: topology.worker,
+            NUM_WORKERS: topology.num_workers,
+        }
+
+    def _state(self, progress: bool) -> dict[str, Any]:
+        return {**super()._state(progress), FILES: self._fingerprints}
+
+    def _progress(self) -> dict[str, Any]:
+        return {EPOCH: self._epoch, QUEUE: [list(item) for item in self.queue]}
+
+    def _check_config(self, state: dict[str, Any], path: str) -> None:
+        super()._check_config(state, path)
+        check_fingerprints(require(state, FILES, list, path), self._fingerprints, path)
+
+    def _restore(self, state: dict[str, Any], path: str) -> None:
+        epoch = require_count(state, EPOCH, path)
+        queue = require(state, QUEUE, list, path)
+        for item in queue:
+            if not (
+                isinstance(item, list)
+                and len(item) == 3
+                and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in item)
+                and item[0] < len(self.paths)
+            ):
+                raise StateError(f"{path}: queue entry {item!r} is not [file, byte offset, line] of this source")
+            if not _is_gzip(self.paths[item[0]]) and item[1] > self._fingerprints[item[0]][1]:
+                raise StateError(f"{path}: queue entry {item!r} points past the end of {self.paths[item[0]]!r}")
+        self._close_handle()
+        self._epoch, self._queue, self._last = epoch, [list(item) for item in queue], None
+
+    def _rescale(self, olds: list[dict[str, Any]], path: str, consumer: int, num_consumers: int) -> dict[str, Any]:
+        """A share of every old consumer's work items, dealt out one by one."""
+        config = {key: value for key, value in self._config().items() if key not in TOPOLOGY_KEYS}
+        items: list[Any] = []
+        epochs = set()
+        for old in olds:
+            check_config(old, config, path)
+            check_fingerprints(require(old, FILES, list, path), self._fingerprints, path)
+            epochs.add(require_count(old, EPOCH, path))
+            items.extend(require(old, QUEUE, list, path))
+        if len(epochs) != 1:
+            raise StateError(f"{path}: old consumers are in different epochs {sorted(epochs)}; rescale within one")
+        return {
+            KIND: self.kind,
+            VERSION: STATE_VERSION,
+            **self._config(),
+            EPOCH: epochs.pop(),
+            QUEUE: items[consumer::num_consumers],
+            ENDED: False,
+            FILES: self._fingerprints,
+        }
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_handle"] = None
+        return state
+
+
+def _is_gzip(path: str) -> bool:
+    return path.endswith(".gz")
+
+
+def _open(path: str) -> IO[bytes]:
+    return gzip.open(path, "rb") if _is_gzip(path) else open(path, "rb")  # type: ignore[return-value]
+
+
+def jsonl_stream(
+    paths: Paths,
+    on_error: str = "raise",
+    shuffle_files: int | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    split_workers: bool = True,
+) -> JsonlStream:
+    """A streaming, file-sharded source over JSONL files (plain or ``.gz``)."""
+    return JsonlStream(paths, on_error, shuffle_files, rank, world_size, split_workers)

@@ -1,0 +1,157 @@
+"""JsonlStream: plain and gzip JSONL read as streams, sharded by file, resumed by byte offset,
+and rescaled elastically by dealing out (file, offset) work items."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+import resumable as rs
+from resumable.elastic import restore
+from tests.resume import check_resume, take
+
+FILES = 7
+PER_FILE = 23
+
+
+def corpus(tmp_path: Path) -> str:
+    """Seven files, every other one gzip; blank lines and a CRLF line among the records."""
+    for f in range(FILES):
+        lines = []
+        for i in range(PER_FILE):
+            first = 1000 * (f * 100 + i) + 1  # token ids name their document and never repeat
+            record = {"id": f * 100 + i, "input_ids": list(range(first, first + (i * 7) % 19))}
+            lines.append(json.dumps(record) + ("\r\n" if i == 3 else "\n"))
+            if i % 6 == 0:
+                lines.append("\n  \n")
+        text = "".join(lines)
+        path = tmp_path / f"part{f}.jsonl{'.gz' if f % 2 else ''}"
+        if f % 2:
+            with gzip.open(path, "wt") as out:
+                out.write(text)
+        else:
+            path.write_text(text)
+    return str(tmp_path / "part*")
+
+
+ALL_IDS = sorted(f * 100 + i for f in range(FILES) for i in range(PER_FILE))
+
+
+def ids(items: list[Any]) -> list[int]:
+    return [record["id"] for record in items]
+
+
+def test_reads_plain_and_gzip_files_skipping_blank_lines(tmp_path: Path) -> None:
+    stream = rs.jsonl_stream(corpus(tmp_path))
+    assert ids(list(stream)) == ALL_IDS
+    assert stream.get_state()["queue"] == []
+
+
+def test_consumers_split_by_file_and_cover_every_record_once(tmp_path: Path) -> None:
+    pattern = corpus(tmp_path)
+    seen = []
+    for consumer in range(3):
+        stream = rs.jsonl_stream(pattern, shuffle_files=4, rank=consumer, world_size=3)
+        records = ids(list(stream))
+        assert len({record // 100 for record in records}) in (2, 3)  # whole files
+        seen += records
+    assert sorted(seen) == ALL_IDS
+
+
+def test_shuffled_file_order_changes_each_epoch(tmp_path: Path) -> None:
+    stream = rs.jsonl_stream(corpus(tmp_path), shuffle_files=9)
+    first = ids(list(stream))
+    second = ids(list(stream))
+    assert sorted(first) == sorted(second) == ALL_IDS
+    assert first != second
+
+
+CHAINS: dict[str, Callable[[rs.Node], rs.Node]] = {
+    "plain": lambda s: s,
+    "filter_batch": lambda s: s.filter(lambda r: r["id"] % 3).map(lambda r: r["id"]).batch(4),
+    "pack": lambda s: s.pack(16, buffer_size=5).map(lambda row: row["input_ids"].tolist()),
+    "repeat": lambda s: s.repeat(),
+}
+
+
+@pytest.mark.parametrize("chain", sorted(CHAINS))
+def test_resume_property(tmp_path: Path, chain: str) -> None:
+    pattern = corpus(tmp_path)
+
+    def build() -> rs.Node:
+        return CHAINS[chain](rs.jsonl_stream(pattern, shuffle_files=2))
+
+    for k in (0, 1, 22, 23, 60, 161):
+        check_resume(build, k, 200)
+    check_resume(build, 10, 200, k2=70)
+
+
+def test_malformed_lines_name_file_and_line_or_are_skipped(tmp_path: Path) -> None:
+    (tmp_path / "a.jsonl").write_text('{"id": 1}\n\n{"id": \n{"id": 3}\n')
+    with pytest.raises(rs.SourceError, match=r"a\.jsonl:3: malformed JSON"):
+        list(rs.jsonl_stream(str(tmp_path / "a.jsonl")))
+    skipping = rs.jsonl_stream(str(tmp_path / "a.jsonl"), on_error="skip")
+    assert ids(list(skipping)) == [1, 3] and skipping.skipped == 1
+
+
+def test_changed_files_and_bad_queues_are_errors(tmp_path: Path) -> None:
+    pattern = corpus(tmp_path)
+    stream = rs.jsonl_stream(pattern)
+    take(stream, 5)
+    state = stream.get_state()
+    bad = json.loads(json.dumps(state))
+    bad["queue"][0] = [99, 0, 0]
+    with pytest.raises(rs.StateError, match="queue entry"):
+        rs.jsonl_stream(pattern).set_state(bad)
+    (tmp_path / "part0.jsonl").write_text('{"id": 0}\n')
+    with pytest.raises(rs.StateError, match="changed since the state was saved"):
+        rs.jsonl_stream(pattern).set_state(state)
+    stream.close()  # files are checked when opened
+    with pytest.raises(rs.SourceError, match="changed since the pipeline was built"):
+        list(stream)
+
+
+def delivered(chain: str, item: Any) -> list[int]:
+    if chain == "pack":
+        return [int(t) for t in item if t]  # token 0 is padding; document tokens are ids >= 1
+    return list(item) if isinstance(item, list) else [item["id"]]
+
+
+@pytest.mark.parametrize("chain", ["plain", "filter_batch", "pack"])
+def test_elastic_rescale_deals_out_work_items(tmp_path: Path, chain: str) -> None:
+    pattern = corpus(tmp_path)
+    records = [json.loads(line) for line in _all_lines(tmp_path)]
+    if chain == "pack":
+        expected = Counter(t for r in records for t in r["input_ids"])
+    elif chain == "filter_batch":
+        expected = Counter(r["id"] for r in records if r["id"] % 3)
+    else:
+        expected = Counter(r["id"] for r in records)
+
+    seen: Counter[int] = Counter()
+    states = None
+    for consumers, taken in ((4, 9), (3, 5), (1, 12), (2, None)):
+        new_states = []
+        for consumer in range(consumers):
+            pipe = CHAINS[chain](rs.jsonl_stream(pattern, shuffle_files=1, rank=consumer, world_size=consumers))
+            if states is not None:
+                restore(pipe, states)
+            items = list(pipe) if taken is None else [x for _, x in zip(range(taken), pipe)]
+            for item in items:
+                seen.update(delivered(chain, item))
+            new_states.append(json.loads(json.dumps(pipe.get_state())))
+        states = new_states
+    assert seen == expected
+
+
+def _all_lines(tmp_path: Path) -> list[str]:
+    lines = []
+    for path in sorted(tmp_path.glob("part*")):
+        text = gzip.open(path, "rt").read() if path.suffix == ".gz" else path.read_text()
+        lines += [line for line in text.splitlines() if line.strip()]
+    return lines

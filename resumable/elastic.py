@@ -27,7 +27,7 @@ from typing import Any, Sequence
 from resumable.errors import ConfigError, StateError
 from resumable.node import EPOCH, LENGTH, POSITION, IndexedNode, Node
 from resumable.ops.map import IndexedMap
-from resumable.order.elastic import Remap, rescale
+from resumable.order.elastic import Remap, merge, rescale
 from resumable.order.partition import shard_size
 from resumable.order.shard import NUM_WORKERS, RANK, REMAP, WORKER, WORLD_SIZE, Shard
 from resumable.sources.stream import JsonlStream
@@ -157,9 +157,10 @@ def _rescale_indexed(cursor: IndexedNode[Any], olds: list[dict[str, Any]], path:
 
 def _new_remap(shard: Shard[Any], olds: list[dict[str, Any]], epoch: int, cursors: list[int], path: str) -> Remap:
     saved = [old.get(REMAP) for old in olds]
-    if any(remap != saved[0] for remap in saved):
-        raise StateError(f"{path}: old consumers hold different remaps; they come from different checkpoints")
-    previous = Remap.from_json(saved[0], path) if saved[0] is not None else None
+    present = [Remap.from_json(remap, path) for remap in saved if remap is not None]
+    if present and len(present) != len(saved):
+        raise StateError(f"{path}: only some old consumers hold a remap; they come from different checkpoints")
+    previous = merge(present, path) if present else None
     if previous is not None and previous.epoch != epoch:
         previous = None  # a remap of an earlier epoch, no longer in use
     space = previous.length if previous is not None else len(shard.upstream)  # type: ignore[arg-type]

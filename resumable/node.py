@@ -321,6 +321,10 @@ class IndexedNode(Node[T]):
         """Positions in ``epoch``: ``len(self)``, unless a rescale left a shard of another size."""
         return len(self)
 
+    def _pass_cursor(self, epoch: int, position: int) -> None:
+        """Hook: the cursor's position as a state is taken, for nodes whose positions it also
+        is (a shard under serial maps compacts its remap with it)."""
+
     def _enter_epoch(self, epoch: int) -> None:
         """Tell the indexed chain below the cursor which epoch is being read (a shard drops
         the remap of an earlier epoch)."""
@@ -512,7 +516,9 @@ class IndexedNode(Node[T]):
         self._ended = False
 
     def _progress(self) -> dict[str, Any]:
-        return {EPOCH: self._epoch, POSITION: self.position, LENGTH: self._length(self._epoch)}
+        position = self.position
+        self._pass_cursor(self._epoch, position)
+        return {EPOCH: self._epoch, POSITION: position, LENGTH: self._length(self._epoch)}
 
     def _restore(self, state: dict[str, Any], path: str) -> None:
         epoch = require_count(state, EPOCH, path)

@@ -159,6 +159,23 @@ def test_rescaled_state_is_small_and_says_who_it_is() -> None:
     text = json.dumps(state)
     assert '"behind": [' in text and len(text) < 2000, text
 
+    # Once this consumer has passed the band, its state keeps one integer for the level.
+    new.set_state(state)
+    band = new.upstream.upstream.upstream.remap.steps[0].band  # Batch > Map > Filter > Shard
+    needed = band // 3 + 2  # positions of this consumer's stride (3 consumers) that cover the band
+    for _ in range(-(-needed // 3)):  # a batch reads at least 3 positions
+        next(new)
+    compact = json.dumps(new.get_state())
+    assert '"behind"' not in compact and '"shift"' in compact and '"first"' in compact
+
+
+def test_compacted_states_rescale_again_exactly() -> None:
+    """Consumers past the band save compacted remaps, those still in it the full level: a
+    second rescale merges them and still delivers each document once."""
+    docs = documents(300)
+    phases = [(10, [0.3, 0.35, 0.32]), (4, [0.02, 0.5, 0.04, 0.6]), (3, [1.0])]
+    assert run_phases("shard", docs, phases) == expected("shard", docs)
+
 
 def test_wrong_old_states_are_state_errors() -> None:
     docs = documents(40)

@@ -58,6 +58,9 @@ class IndexedMap(IndexedNode[U]):
     def _length(self, epoch: int) -> int:
         return self.upstream._length(epoch)
 
+    def _pass_cursor(self, epoch: int, position: int) -> None:
+        self.upstream._pass_cursor(epoch, position)
+
     def _raw_chunk(self, start: int, count: int, epoch: int) -> Sequence[Any]:
         return self.upstream._raw_chunk(start, count, epoch)
 

@@ -17,6 +17,7 @@ Pure numpy functions over int64 arrays: nothing is materialised per position.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Sequence, Union
 
 import numpy as np
@@ -28,6 +29,7 @@ TOP = "top"
 BEHIND = "behind"
 LENGTH = "length"
 SHIFT = "shift"
+FIRST = "first"
 
 
 def shard_sizes(total: int, num_consumers: int) -> np.ndarray:
@@ -93,12 +95,21 @@ class Level:
         return self.tail_start
 
     def to_json(self) -> dict[str, Any]:
+        return self._json
+
+    @cached_property
+    def _json(self) -> dict[str, Any]:
+        """Built once: a state taken every step shares it (states are read-only values)."""
         return {
             LENGTH: self.parent_length,
             CONSUMERS: self.consumers,
             TOP: self.top,
             BEHIND: (self.top - self.cursors).tolist(),
         }
+
+    def compacted(self) -> Offset:
+        """This level for positions in its tail only."""
+        return Offset(self.tail_start - self.band)
 
 
 @dataclass(frozen=True)
@@ -120,28 +131,71 @@ Step = Union[Level, Offset]
 @dataclass(frozen=True)
 class Remap:
     """The positions of one epoch left over by earlier topologies: ``steps`` from the newest
-    space down to the epoch's own positions, and the size ``length`` of the newest space."""
+    space down to the epoch's own positions, and the size ``length`` of the newest space.
+    Positions below ``first`` were compacted away (a consumer's state keeps only what lies
+    ahead of its cursor) and cannot be mapped."""
 
     epoch: int
     length: int
     steps: tuple[Step, ...]
+    first: int = 0
 
     def to_base(self, positions: np.ndarray) -> np.ndarray:
+        if self.first and len(positions) and int(np.min(positions)) < self.first:
+            raise IndexError(
+                f"position {int(np.min(positions))} of rescaled epoch {self.epoch} lies before this "
+                f"consumer's checkpoint (the remap keeps positions from {self.first} on)"
+            )
         for step in self.steps:
             positions = step.to_parent(positions)
         return positions
 
+    def compacted(self, first: int) -> Remap:
+        """The same map for positions ``>= first`` only: every level whose band lies wholly
+        below what those positions reach becomes an offset. Steps are not merged, so states of
+        consumers that compacted different levels still line up (``merge``)."""
+        floor, steps, changed = first, [], False
+        for step in self.steps:
+            if isinstance(step, Level) and floor >= step.band:
+                step, changed = step.compacted(), True
+            steps.append(step)
+            floor = floor + step.shift if isinstance(step, Offset) else step.floor()
+        return Remap(self.epoch, self.length, tuple(steps) if changed else self.steps, first)
+
     def to_json(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, LENGTH: self.length, "steps": [step.to_json() for step in self.steps]}
+        value = {"epoch": self.epoch, LENGTH: self.length, "steps": [step.to_json() for step in self.steps]}
+        if self.first:
+            value[FIRST] = self.first
+        return value
 
     @classmethod
     def from_json(cls, value: Any, path: str) -> Remap:
         if not isinstance(value, dict) or not isinstance(value.get("steps"), list):
             raise StateError(f"{path}: remap entry {str(value)[:80]!r} is not a remap")
-        epoch, length = value.get("epoch"), value.get(LENGTH)
-        if not isinstance(epoch, int) or not isinstance(length, int) or not _is_count(epoch) or not _is_count(length):
-            raise StateError(f"{path}: remap epoch and length must be ints >= 0")
-        return cls(epoch, length, tuple(_step_from_json(step, path) for step in value["steps"]))
+        epoch, length, first = value.get("epoch"), value.get(LENGTH), value.get(FIRST, 0)
+        if not all(isinstance(v, int) and _is_count(v) for v in (epoch, length, first)):
+            raise StateError(f"{path}: remap epoch, length and first must be ints >= 0")
+        return cls(epoch, length, tuple(_step_from_json(step, path) for step in value["steps"]), first)
+
+
+def merge(remaps: Sequence[Remap], path: str) -> Remap:
+    """One remap from old consumers' compacted copies of the same remap: at each step, the
+    full level if any consumer still had it."""
+    head = remaps[0]
+    if any((r.epoch, r.length, len(r.steps)) != (head.epoch, head.length, len(head.steps)) for r in remaps):
+        raise StateError(f"{path}: old consumers hold different remaps; they come from different checkpoints")
+    steps = []
+    for index in range(len(head.steps)):
+        candidates = [remap.steps[index] for remap in remaps]
+        levels = [step for step in candidates if isinstance(step, Level)]
+        step = levels[0] if levels else candidates[0]
+        expected = step.compacted().to_json() if isinstance(step, Level) else step.to_json()
+        if any(
+            (s.to_json() != step.to_json()) if isinstance(s, Level) else (s.to_json() != expected) for s in candidates
+        ):
+            raise StateError(f"{path}: old consumers hold different remaps; they come from different checkpoints")
+        steps.append(step)
+    return Remap(head.epoch, head.length, tuple(steps))
 
 
 def rescale(remap: Remap | None, epoch: int, space_length: int, cursors: Sequence[int]) -> Remap:
@@ -159,6 +213,8 @@ def rescale(remap: Remap | None, epoch: int, space_length: int, cursors: Sequenc
             f"consumer {consumer} of {len(cursor_array)} is at position {int(cursor_array[consumer])}, "
             f"its shard has {int(sizes[consumer])}"
         )
+    if remap is not None and remap.first:
+        remap = Remap(remap.epoch, remap.length, remap.steps)
     level = Level(space_length, cursor_array)
     newest: Step = level if level.band else Offset(level.tail_start)
     floor = level.floor()

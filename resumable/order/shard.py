@@ -54,6 +54,8 @@ class Shard(IndexedNode[T]):
         self.split_workers = split_workers
         self._resolved: tuple[int, Topology] | None = None
         self.remap: Remap | None = None
+        self._cursor: tuple[int, int] | None = None  # (epoch, position) of the cursor at get_state
+        self._saved_remap: tuple[int, dict[str, Any]] | None = None  # (first, JSON) last saved
 
     @property
     def topology(self) -> Topology:
@@ -86,6 +88,7 @@ class Shard(IndexedNode[T]):
     def _enter_epoch(self, epoch: int) -> None:
         if self.remap is not None and self.remap.epoch != epoch:
             self.remap = None  # the rescaled epoch is over: the whole epoch is split again
+            self._cursor, self._saved_remap = None, None
         super()._enter_epoch(epoch)
 
     def _leaf_indices(self, positions: np.ndarray, epoch: int) -> np.ndarray:
@@ -101,14 +104,39 @@ class Shard(IndexedNode[T]):
             return self.upstream._raw_chunk(start, count, epoch)  # type: ignore[union-attr]
         return super()._raw_chunk(start, count, epoch)
 
+    def _pass_cursor(self, epoch: int, position: int) -> None:
+        self._cursor = (epoch, position)
+
     def _state(self, progress: bool) -> dict[str, Any]:
         state = super()._state(progress)
         if self.remap is not None:
-            state[REMAP] = self.remap.to_json()
+            state[REMAP] = self._remap_json()
         return state
+
+    def _remap_json(self) -> dict[str, Any]:
+        """The remap as saved: compacted for the positions ahead of the cursor, so once this
+        consumer has passed a level's band its state keeps one integer for it."""
+        remap: Remap = self.remap  # type: ignore[assignment]
+        cursor = self._cursor
+        if cursor is None or cursor[0] != remap.epoch:
+            return remap.to_json()
+        topology = self.topology
+        # Keep the record before the cursor too: last_key() names it after a restore.
+        first = topology.consumer + max(cursor[1] - 1, 0) * topology.num_consumers
+        saved = self._saved_remap
+        if saved is None or saved[0] != first:
+            compacted = remap.compacted(first)
+            previous = saved[1] if saved is not None else None
+            if previous is not None and previous["steps"] == [step.to_json() for step in compacted.steps]:
+                value = {**previous, "first": first}  # same levels: only the first position moved
+            else:
+                value = compacted.to_json()
+            saved = self._saved_remap = (first, value)
+        return saved[1]
 
     def _load(self, state: Any, path: str, progress: bool = True) -> None:
         self.remap = Remap.from_json(require(state, REMAP, dict, path), path) if REMAP in state else None
+        self._cursor, self._saved_remap = None, None
         super()._load(state, path, progress)
 
     def _config(self) -> dict[str, Any]:

@@ -11,7 +11,8 @@ pipeline states of *all* old consumers, in consumer order. It gets
   document's rest included) are dealt out one by one across the new consumers.
 
 From the next epoch on, the new topology reads whole epochs as if it had always been there.
-With the same topology, ``restore`` loads the consumer's own state: bit-exact, as always.
+With the same number of consumers (even split differently into ranks x workers) each consumer
+continues its own stride: bit-exact, as always.
 
 Supported chains: an indexed part ending in ``.shard()`` (optionally followed by serial
 ``.map()``), or a file-sharded ``rs.jsonl_stream`` (its work items, a file and a byte offset
@@ -22,6 +23,7 @@ each, are dealt out), then any of filter, map, batch, prefetch, parallel map, re
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Sequence
 
 from resumable.errors import ConfigError, StateError
@@ -30,6 +32,7 @@ from resumable.ops.map import IndexedMap
 from resumable.order.elastic import Remap, merge, rescale
 from resumable.order.partition import shard_size
 from resumable.order.shard import NUM_WORKERS, RANK, REMAP, WORKER, WORLD_SIZE, Shard
+from resumable.order.topology import Topology
 from resumable.sources.stream import JsonlStream
 from resumable.state import ENDED, KIND, STATE_VERSION, UPSTREAM, VERSION, check_header, check_json, require
 
@@ -68,9 +71,21 @@ def rescaled_state(pipeline: Node[Any], old_states: Sequence[dict[str, Any]]) ->
                 f"old states must be every consumer's, in order: entry {index} of {len(old_states)} is "
                 f"consumer {saved[0]} of {saved[1]}"
             )
-    if len(old_states) == num_consumers:
-        return old_states[consumer]  # same topology: exact
+    if len(old_states) == num_consumers:  # the same strides (maybe other ranks x workers): exact
+        return _as_consumer(old_states[consumer], topology)
     return _rescale_node(pipeline, list(old_states), pipeline.kind, consumer, num_consumers)
+
+
+def _as_consumer(state: dict[str, Any], topology: Topology) -> dict[str, Any]:
+    """``state`` with its partitioning node relabelled to ``topology`` (same consumer index)."""
+    copied = copy.deepcopy(state)
+    node: Any = copied
+    while isinstance(node, dict):
+        if node.get(KIND) in (Shard.kind, JsonlStream.kind):
+            node.update({RANK: topology.rank, WORLD_SIZE: topology.world_size})
+            node.update({WORKER: topology.worker, NUM_WORKERS: topology.num_workers})
+        node = node.get(UPSTREAM)
+    return copied
 
 
 def _partitioner(pipeline: Node[Any]) -> Shard[Any] | JsonlStream:

@@ -202,3 +202,35 @@ def test_unsupported_chains_are_config_errors() -> None:
     planned = [rs.from_list(docs).shard(c, 2).pack(SEQ_LEN, strategy="bfd").get_state() for c in range(2)]
     with pytest.raises(rs.ConfigError, match="whole-epoch plan"):
         restore(rs.from_list(docs).shard(0, 3).pack(SEQ_LEN, strategy="bfd"), planned)
+
+
+@settings(deadline=None, max_examples=30)
+@given(
+    topologies=st.lists(st.tuples(st.integers(1, 4), st.integers(1, 3)), min_size=2, max_size=4),
+    fraction=st.floats(0, 0.9),
+)
+def test_ranks_times_workers_resolved_from_the_environment(
+    topologies: list[tuple[int, int]], fraction: float
+) -> None:
+    """``.shard()`` without arguments, as in a job: each simulated rank x worker builds its
+    pipeline under an assumed topology, exactly as it would resolve it in a DataLoader worker."""
+    from resumable.order.topology import Topology, assume
+
+    docs = documents(97)
+    seen: Counter[int] = Counter()
+    states: list[dict[str, Any]] | None = None
+    for number, (ranks, workers) in enumerate(topologies):
+        last = number == len(topologies) - 1
+        new_states = []
+        for rank in range(ranks):
+            for worker in range(workers):
+                with assume(Topology(rank, ranks, worker, workers)):
+                    pipe = rs.from_list(docs).shuffle(5).shard().filter(keep).pack(SEQ_LEN, buffer_size=3)
+                    if states is not None:
+                        restore(pipe, states)
+                    rows = list(pipe) if last else take_fraction(pipe, fraction)
+                    new_states.append(json.loads(json.dumps(pipe.get_state())))
+                for row in rows:
+                    seen.update(delivered("pack", row))
+        states = new_states
+    assert seen == expected("pack_best_fit", docs)

@@ -155,3 +155,15 @@ def _all_lines(tmp_path: Path) -> list[str]:
         text = gzip.open(path, "rt").read() if path.suffix == ".gz" else path.read_text()
         lines += [line for line in text.splitlines() if line.strip()]
     return lines
+
+
+def test_bad_options_are_config_errors(tmp_path: Path) -> None:
+    pattern = corpus(tmp_path)
+    with pytest.raises(rs.ConfigError, match="need 0 <= rank < world_size"):
+        rs.jsonl_stream(pattern, rank=3, world_size=2)
+    with pytest.raises(rs.ConfigError, match="give both rank and world_size"):
+        rs.jsonl_stream(pattern, rank=0)
+    with pytest.raises(rs.ConfigError, match="shuffle_files must be an int"):
+        rs.jsonl_stream(pattern, shuffle_files=True)
+    with pytest.raises(rs.SourceError, match="no files match"):
+        rs.jsonl_stream(str(tmp_path / "nothing*.jsonl"))

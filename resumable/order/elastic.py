@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Sequence, Union
+from typing import Any, Sequence, TypeGuard, Union
 
 import numpy as np
 
@@ -173,7 +173,7 @@ class Remap:
         if not isinstance(value, dict) or not isinstance(value.get("steps"), list):
             raise StateError(f"{path}: remap entry {str(value)[:80]!r} is not a remap")
         epoch, length, first = value.get("epoch"), value.get(LENGTH), value.get(FIRST, 0)
-        if not all(isinstance(v, int) and _is_count(v) for v in (epoch, length, first)):
+        if not (_is_count(epoch) and _is_count(length) and _is_count(first)):
             raise StateError(f"{path}: remap epoch, length and first must be ints >= 0")
         return cls(epoch, length, tuple(_step_from_json(step, path) for step in value["steps"]), first)
 
@@ -257,9 +257,9 @@ def _step_from_json(value: Any, path: str) -> Step:
     raise StateError(f"{path}: remap step {str(value)[:80]!r} is not a level or an offset")
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_count(value: Any) -> bool:
+def _is_count(value: Any) -> TypeGuard[int]:
     return _is_int(value) and value >= 0

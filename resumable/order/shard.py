@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any, Sequence, TypeVar
 
 import numpy as np
 
-from resumable.errors import ConfigError
 from resumable.node import IndexedNode
 from resumable.order.elastic import Remap
 from resumable.order.partition import shard_size, shard_to_global
-from resumable.order.topology import Topology, check_rank, dataloader_worker, distributed_rank
+from resumable.order.topology import Consumer, Topology
 from resumable.state import require
 
 T = TypeVar("T")
@@ -45,14 +43,7 @@ class Shard(IndexedNode[T]):
         split_workers: bool = True,
     ) -> None:
         super().__init__(upstream)
-        if (rank is None) != (world_size is None):
-            raise ConfigError(f"{self.kind}: give both rank and world_size, or neither")
-        if rank is not None:
-            check_rank(rank, world_size, self.kind)  # type: ignore[arg-type]
-        self._rank = rank
-        self._world_size = world_size
-        self.split_workers = split_workers
-        self._resolved: tuple[int, Topology] | None = None
+        self._consumer = Consumer(rank, world_size, split_workers, self.kind)
         self.remap: Remap | None = None
         self._cursor: tuple[int, int] | None = None  # (epoch, position) of the cursor at get_state
         self._saved_remap: tuple[int, dict[str, Any]] | None = None  # (first, JSON) last saved
@@ -60,15 +51,7 @@ class Shard(IndexedNode[T]):
     @property
     def topology(self) -> Topology:
         """This process's consumer; resolved again after a fork (a new DataLoader worker)."""
-        pid = os.getpid()
-        if self._resolved is None or self._resolved[0] != pid:
-            if self._rank is None:
-                rank, world_size = distributed_rank()
-            else:
-                rank, world_size = self._rank, self._world_size  # type: ignore[assignment]
-            worker, num_workers = dataloader_worker() if self.split_workers else (0, 1)
-            self._resolved = (pid, Topology(rank, world_size, worker, num_workers))
-        return self._resolved[1]
+        return self._consumer.resolve()[0]
 
     def __len__(self) -> int:
         topology = self.topology

@@ -106,3 +106,31 @@ def check_rank(rank: int, world_size: int, where: str) -> None:
             raise ConfigError(f"{where}: {name} must be an int, got {value!r}")
     if world_size < 1 or not 0 <= rank < world_size:
         raise ConfigError(f"{where}: need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+
+
+class Consumer:
+    """Which consumer this process is, for a node that splits the epoch (a shard, a file-sharded
+    stream): explicit ``rank``/``world_size`` or else ``distributed_rank()``, split further by
+    DataLoader worker unless ``split_workers`` is False. Resolved at first use and again after a
+    fork, so a pipeline built before its DataLoader workers start still splits correctly."""
+
+    def __init__(self, rank: int | None, world_size: int | None, split_workers: bool, where: str) -> None:
+        if (rank is None) != (world_size is None):
+            raise ConfigError(f"{where}: give both rank and world_size, or neither")
+        if rank is not None:
+            check_rank(rank, world_size, where)  # type: ignore[arg-type]
+        self.rank, self.world_size, self.split_workers = rank, world_size, split_workers
+        self._resolved: tuple[int, Topology] | None = None
+
+    def resolve(self) -> tuple[Topology, bool]:
+        """This process's topology, and whether it was resolved just now (first use here)."""
+        pid = os.getpid()
+        if self._resolved is not None and self._resolved[0] == pid:
+            return self._resolved[1], False
+        if self.rank is None:
+            rank, world_size = distributed_rank()
+        else:
+            rank, world_size = self.rank, self.world_size  # type: ignore[assignment]
+        worker, num_workers = dataloader_worker() if self.split_workers else (0, 1)
+        self._resolved = (pid, Topology(rank, world_size, worker, num_workers))
+        return self._resolved[1], True

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import gzip
 import logging
-import os
 from typing import IO, Any
 
 import numpy as np
@@ -21,7 +20,7 @@ import orjson
 from resumable.errors import ConfigError, SourceError, StateError
 from resumable.node import Node, RecordKey
 from resumable.order.lcg import Permutation
-from resumable.order.topology import Topology, dataloader_worker, distributed_rank
+from resumable.order.topology import Consumer, Topology
 from resumable.sources.files import Paths, check_fingerprints, expand_paths, fingerprint
 from resumable.state import ENDED, KIND, STATE_VERSION, VERSION, check_config, require, require_count
 
@@ -64,14 +63,11 @@ class JsonlStream(Node[Any]):
             raise ConfigError(f"{self.kind}: on_error must be 'raise' or 'skip', got {on_error!r}")
         if shuffle_files is not None and (isinstance(shuffle_files, bool) or not isinstance(shuffle_files, int)):
             raise ConfigError(f"{self.kind}: shuffle_files must be an int seed or None, got {shuffle_files!r}")
-        if (rank is None) != (world_size is None):
-            raise ConfigError(f"{self.kind}: give both rank and world_size, or neither")
+        self._consumer = Consumer(rank, world_size, split_workers, self.kind)
         self.paths = expand_paths(paths, self.kind)
         self._fingerprints = [fingerprint(path) for path in self.paths]
         self.on_error = on_error
         self.shuffle_files = shuffle_files
-        self._rank, self._world_size, self.split_workers = rank, world_size, split_workers
-        self._resolved: tuple[int, Topology] | None = None
         self._epoch = 0
         self._queue: list[list[int]] | None = None  # [file, offset, line] work items; None: not yet assigned
         self._handle: IO[bytes] | None = None
@@ -80,17 +76,12 @@ class JsonlStream(Node[Any]):
 
     @property
     def topology(self) -> Topology:
-        """This process's consumer; resolved again after a fork (a new DataLoader worker)."""
-        pid = os.getpid()
-        if self._resolved is None or self._resolved[0] != pid:
-            if self._rank is None:
-                rank, world_size = distributed_rank()
-            else:
-                rank, world_size = self._rank, self._world_size  # type: ignore[assignment]
-            worker, num_workers = dataloader_worker() if self.split_workers else (0, 1)
-            self._resolved = (pid, Topology(rank, world_size, worker, num_workers))
+        """This process's consumer; resolved again after a fork (a new DataLoader worker), which
+        then gets its own file assignment."""
+        topology, fresh = self._consumer.resolve()
+        if fresh:
             self._queue = None
-        return self._resolved[1]
+        return topology
 
     def files_of_epoch(self, epoch: int) -> list[int]:
         """This consumer's files in ``epoch``, in reading order."""

@@ -4,7 +4,6 @@ per rank (plain files and torch.distributed.checkpoint), a new group restores ex
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +15,7 @@ import torch.multiprocessing as mp
 
 import resumable as rs
 from resumable.torch import Loader, PerRank
+from tests.processes import free_port
 
 DOCUMENTS = 211
 EPOCHS = 2
@@ -65,12 +65,6 @@ def rank_main(rank: int, world_size: int, port: int, phase: str, out: str, num_w
         (Path(out) / f"{phase}{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_group(world_size: int, phase: str, out: Path, num_workers: int, stop_after: int) -> list[dict[str, Any]]:

@@ -5,7 +5,6 @@ pack(best_fit) and batch. Over all phases every token of the epoch is delivered 
 from __future__ import annotations
 
 import json
-import socket
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ import torch.multiprocessing as mp
 
 import resumable as rs
 from resumable.torch import Loader, PerRank, load_all_ranks
+from tests.processes import free_port
 
 DOCUMENTS = 160
 SEQ_LEN = 16
@@ -69,12 +69,6 @@ def rank_main(rank: int, world_size: int, port: int, out: str, phase: int) -> No
         loader.close()
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_rescaled_three_times_within_an_epoch_delivers_every_token_once(tmp_path: Path) -> None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-
 import numpy as np
 import pytest
 import torch.distributed as dist
@@ -14,6 +12,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 import resumable as rs
 from resumable.order.partition import shard_size, shard_to_global
+from tests.processes import free_port
 from tests.resume import check_resume
 
 
@@ -92,12 +91,6 @@ def test_dataloader_workers_split_each_rank_further(num_workers: int) -> None:
     assert sorted(seen) == list(range(61))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _rank_main(rank: int, world_size: int, port: int, out: "mp.Queue") -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
@@ -111,7 +104,7 @@ def test_topology_from_torch_distributed() -> None:
     world_size = 2
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, queue)) for r in range(world_size)]
     for p in procs:
         p.start()

@@ -299,7 +299,9 @@ class Pack(Node[dict[str, np.ndarray]]):
     def _pull(self) -> None:
         """Take one document from upstream (or an inherited piece); at its end, flush the open rows."""
         if self._inherited:
-            self._take(self._inherited.popleft())
+            piece = self._inherited.popleft()
+            full = piece.start + (piece.end - piece.start) // self.seq_len * self.seq_len
+            self._add(*piece.key, piece.start, full, piece.end, piece.tokens, piece.labels)
             return
         upstream = self.upstream
         try:
@@ -322,25 +324,20 @@ class Pack(Node[dict[str, np.ndarray]]):
             self._check_barren(epoch)
             return
         self._barren = None
-        if full:
-            self._span = _piece(epoch, index, 0, full, tokens, labels)
+        self._add(epoch, index, 0, full, end, tokens, labels)
+
+    def _add(
+        self, epoch: int, index: int, start: int, full: int, end: int, tokens: np.ndarray, labels: np.ndarray | None
+    ) -> None:
+        """Tokens ``[start, full)`` of a record make whole rows of their own, ``[full, end)``
+        one piece for the strategy."""
+        if full > start:
+            self._span = _piece(epoch, index, start, full, tokens, labels)
         if end > full:
             item = self._next_id
             self._next_id = item + 1
             self._pieces[item] = _piece(epoch, index, full, end, tokens, labels)
             self._ready.extend(self._packer.add(item, end - full))
-
-    def _take(self, piece: Piece) -> None:
-        """Pack a piece another consumer had buffered: whole rows first, then the rest."""
-        full = piece.start + (piece.end - piece.start) // self.seq_len * self.seq_len
-        epoch, index = piece.key
-        if full > piece.start:
-            self._span = _piece(epoch, index, piece.start, full, piece.tokens, piece.labels)
-        if piece.end > full:
-            item = self._next_id
-            self._next_id = item + 1
-            self._pieces[item] = _piece(epoch, index, full, piece.end, piece.tokens, piece.labels)
-            self._ready.extend(self._packer.add(item, piece.end - full))
 
     def _check_barren(self, epoch: int) -> None:
         """Fail instead of spinning forever when a whole upstream epoch gives no tokens (every

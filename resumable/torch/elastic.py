@@ -19,6 +19,7 @@ from resumable.elastic import rescaled_state
 from resumable.errors import StateError
 from resumable.node import Node
 from resumable.order.topology import Topology, assume
+from resumable.torch.dataset import PIPELINE
 
 LoaderState = dict[str, Any]
 
@@ -27,10 +28,8 @@ SNAPSHOT = "_snapshot"
 WORKER_SNAPSHOTS = "_worker_snapshots"
 LAST_YIELDED = "_last_yielded_worker_id"
 STEPS_SINCE = "_steps_since_snapshot"
-FINISHED = "_iterator_finished"
 FETCHER_STATE = "fetcher_state"
 ITER_STATE = "dataset_iter_state"
-PIPELINE = "pipeline"
 
 
 def old_consumer_states(build: Callable[[], Node[Any]], old: Sequence[LoaderState]) -> list[dict[str, Any]]:
@@ -83,12 +82,10 @@ def _replay(
             worker, turn = turn, (turn + 1) % num_workers
             if worker in exhausted:
                 continue
-            if worker not in pipelines:
-                with assume(Topology(rank, world_size, worker, num_workers)):
-                    pipeline = build()
-                    pipeline.set_state(snapshots[worker])
-                pipelines[worker] = pipeline
             with assume(Topology(rank, world_size, worker, num_workers)):
+                if worker not in pipelines:
+                    pipelines[worker] = build()
+                    pipelines[worker].set_state(snapshots[worker])
                 try:
                     next(pipelines[worker])
                     break

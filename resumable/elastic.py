@@ -31,22 +31,38 @@ from resumable.node import EPOCH, LENGTH, POSITION, IndexedNode, Node
 from resumable.ops.map import IndexedMap
 from resumable.order.elastic import Remap, merge, rescale
 from resumable.order.partition import shard_size
-from resumable.order.shard import NUM_WORKERS, RANK, REMAP, WORKER, WORLD_SIZE, Shard
-from resumable.order.topology import Topology
+from resumable.order.shard import REMAP, Shard
+from resumable.order.topology import NUM_WORKERS, RANK, WORKER, WORLD_SIZE, Topology
 from resumable.sources.stream import JsonlStream
-from resumable.state import ENDED, KIND, STATE_VERSION, UPSTREAM, VERSION, check_header, check_json, require
+from resumable.state import (
+    ENDED,
+    KIND,
+    STATE_VERSION,
+    UPSTREAM,
+    VERSION,
+    check_header,
+    check_json,
+    require,
+    require_shared_epoch,
+)
 
 __all__ = ["restore", "rescaled_state", "consumer_of"]
 
 
 def consumer_of(state: dict[str, Any], path: str = "state") -> tuple[int, int]:
     """``(consumer, num_consumers)`` of the partitioning node (shard or file-sharded stream)."""
+    node = _partitioner_state(state, path)
+    rank, world_size = require(node, RANK, int, path), require(node, WORLD_SIZE, int, path)
+    worker, num_workers = require(node, WORKER, int, path), require(node, NUM_WORKERS, int, path)
+    return rank * num_workers + worker, world_size * num_workers
+
+
+def _partitioner_state(state: dict[str, Any], path: str) -> dict[str, Any]:
+    """The state of the node that splits the epoch (shard or file-sharded stream)."""
     node: Any = state
     while isinstance(node, dict):
         if node.get(KIND) in (Shard.kind, JsonlStream.kind):
-            rank, world_size = require(node, RANK, int, path), require(node, WORLD_SIZE, int, path)
-            worker, num_workers = require(node, WORKER, int, path), require(node, NUM_WORKERS, int, path)
-            return rank * num_workers + worker, world_size * num_workers
+            return node
         node = node.get(UPSTREAM)
     raise StateError(f"{path}: the state has no Shard or stream node, so it does not say which consumer it is")
 
@@ -79,12 +95,7 @@ def rescaled_state(pipeline: Node[Any], old_states: Sequence[dict[str, Any]]) ->
 def _as_consumer(state: dict[str, Any], topology: Topology) -> dict[str, Any]:
     """``state`` with its partitioning node relabelled to ``topology`` (same consumer index)."""
     copied = copy.deepcopy(state)
-    node: Any = copied
-    while isinstance(node, dict):
-        if node.get(KIND) in (Shard.kind, JsonlStream.kind):
-            node.update({RANK: topology.rank, WORLD_SIZE: topology.world_size})
-            node.update({WORKER: topology.worker, NUM_WORKERS: topology.num_workers})
-        node = node.get(UPSTREAM)
+    _partitioner_state(copied, "state").update(topology.config())
     return copied
 
 
@@ -131,10 +142,7 @@ def _rescale_node(
 
 def _rescale_indexed(cursor: IndexedNode[Any], olds: list[dict[str, Any]], path: str) -> dict[str, Any]:
     """The cursor's new state: position 0 of this consumer's stride over what was left."""
-    epochs = {require(old, EPOCH, int, path) for old in olds}
-    if len(epochs) != 1:
-        raise StateError(f"{path}: old consumers are in different epochs {sorted(epochs)}; rescale within one epoch")
-    epoch = epochs.pop()
+    epoch = require_shared_epoch(olds, EPOCH, path)
     cursors = [require(old, POSITION, int, path) for old in olds]
 
     chain: list[tuple[IndexedNode[Any], list[dict[str, Any]], str]] = []
@@ -151,21 +159,19 @@ def _rescale_indexed(cursor: IndexedNode[Any], olds: list[dict[str, Any]], path:
             check_header(state, node.kind, where)
 
     new_states: list[dict[str, Any]] = []
+    length = 0
     for node, states, where in chain:
         own: dict[str, Any] = {KIND: node.kind, VERSION: STATE_VERSION, **node._config()}
         if isinstance(node, Shard):
-            own[REMAP] = _new_remap(node, states, epoch, cursors, where).to_json()
+            remap = _new_remap(node, states, epoch, cursors, where)
+            own[REMAP] = remap.to_json()
+            length = shard_size(remap.length, node.topology.consumer, node.topology.num_consumers)
         else:
             for state in states:
                 node._check_config(state, where)
         new_states.append(own)
     for upper, lower in zip(new_states, new_states[1:]):
         upper[UPSTREAM] = lower
-
-    shard = _find_shard(cursor)
-    remap = Remap.from_json(new_states[[n for n, _, _ in chain].index(shard)][REMAP], path)
-    topology = shard.topology
-    length = shard_size(remap.length, topology.consumer, topology.num_consumers)
     new_states[0].update({EPOCH: epoch, POSITION: 0, LENGTH: length, ENDED: False})
     return new_states[0]
 

@@ -8,7 +8,7 @@ upstream's state under ``UPSTREAM``. Errors name the node's path in the pipeline
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from resumable.errors import StateError
 
@@ -54,6 +54,15 @@ def check_header(state: Any, kind: str, path: str) -> None:
         raise StateError(
             f"{path}: state format version {saved_version!r}, this library reads version {STATE_VERSION}"
         )
+
+
+def require_shared_epoch(states: Sequence[Mapping[str, Any]], key: str, path: str) -> int:
+    """The epoch count under ``key`` that every old consumer's state holds (an elastic rescale
+    continues one epoch); StateError if they differ."""
+    values = {require_count(state, key, path) for state in states}
+    if len(values) != 1:
+        raise StateError(f"{path}: old consumers are in different epochs ({key} {sorted(values)}); rescale within one")
+    return values.pop()
 
 
 def check_config(state: Mapping[str, Any], config: Mapping[str, Any], path: str) -> None:

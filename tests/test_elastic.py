@@ -192,6 +192,10 @@ def test_wrong_old_states_are_state_errors() -> None:
         restore(new, other)
     with pytest.raises(rs.StateError, match="no old states"):
         restore(new, [])
+    mixed = [build(rs.from_list(docs), c, 3) for c in range(3)]
+    mixed[0].start_epoch(1)
+    with pytest.raises(rs.StateError, match=r"different epochs \(epoch \[0, 1\]\)"):
+        restore(new, [pipe.get_state() for pipe in mixed])
 
 
 def test_unsupported_chains_are_config_errors() -> None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any, TypeVar
 
-from resumable.errors import ConfigError, StateError
+from resumable.errors import ConfigError
 from resumable.node import Node, RecordKey
-from resumable.state import require, require_count
+from resumable.state import require, require_count, require_shared_epoch
 
 T = TypeVar("T")
 
@@ -69,9 +69,6 @@ class Repeat(Node[T]):
 
     def _rescale(self, olds: list[dict[str, Any]], path: str, consumer: int, num_consumers: int) -> dict[str, Any]:
         state = super()._rescale(olds, path, consumer, num_consumers)
-        done = {require_count(old, EPOCHS_DONE, path) for old in olds}
-        if len(done) != 1:
-            raise StateError(f"{path}: old consumers are in different epochs {sorted(done)}; rescale within one epoch")
-        state[EPOCHS_DONE] = done.pop()
+        state[EPOCHS_DONE] = require_shared_epoch(olds, EPOCHS_DONE, path)
         state[YIELDED] = any(require(old, YIELDED, bool, path) for old in olds)
         return state

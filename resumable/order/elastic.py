@@ -88,6 +88,7 @@ class Level:
             parents[in_band] = self._band_consumers[owner] + strides * self.consumers
         return parents
 
+    @cached_property
     def floor(self) -> int:
         """The lowest parent position this level can ask for."""
         if self.band:
@@ -159,7 +160,7 @@ class Remap:
             if isinstance(step, Level) and floor >= step.band:
                 step, changed = step.compacted(), True
             steps.append(step)
-            floor = floor + step.shift if isinstance(step, Offset) else step.floor()
+            floor = floor + step.shift if isinstance(step, Offset) else step.floor
         return Remap(self.epoch, self.length, tuple(steps) if changed else self.steps, first)
 
     def to_json(self) -> dict[str, Any]:
@@ -187,12 +188,10 @@ def merge(remaps: Sequence[Remap], path: str) -> Remap:
     steps = []
     for index in range(len(head.steps)):
         candidates = [remap.steps[index] for remap in remaps]
-        levels = [step for step in candidates if isinstance(step, Level)]
-        step = levels[0] if levels else candidates[0]
-        expected = step.compacted().to_json() if isinstance(step, Level) else step.to_json()
-        if any(
-            (s.to_json() != step.to_json()) if isinstance(s, Level) else (s.to_json() != expected) for s in candidates
-        ):
+        step = next((s for s in candidates if isinstance(s, Level)), candidates[0])
+        # A level's copies are the level itself or its compacted offset, nothing else.
+        allowed = (step.to_json(), step.compacted().to_json()) if isinstance(step, Level) else (step.to_json(),)
+        if any(candidate.to_json() not in allowed for candidate in candidates):
             raise StateError(f"{path}: old consumers hold different remaps; they come from different checkpoints")
         steps.append(step)
     return Remap(head.epoch, head.length, tuple(steps))
@@ -217,13 +216,13 @@ def rescale(remap: Remap | None, epoch: int, space_length: int, cursors: Sequenc
         remap = Remap(remap.epoch, remap.length, remap.steps)
     level = Level(space_length, cursor_array)
     newest: Step = level if level.band else Offset(level.tail_start)
-    floor = level.floor()
+    floor = level.floor
     steps: list[Step] = [newest]
     for step in remap.steps if remap is not None else ():
         if isinstance(step, Level) and floor >= step.band:  # every position asked for is in the tail
             step = Offset(step.tail_start - step.band)
         steps.append(step)
-        floor = floor + step.shift if isinstance(step, Offset) else step.floor()
+        floor = floor + step.shift if isinstance(step, Offset) else step.floor
     return Remap(epoch, len(level), _merge_offsets(steps))
 
 

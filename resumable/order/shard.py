@@ -14,10 +14,6 @@ from resumable.state import require
 
 T = TypeVar("T")
 
-RANK = "rank"
-WORLD_SIZE = "world_size"
-WORKER = "worker"
-NUM_WORKERS = "num_workers"
 REMAP = "remap"
 
 
@@ -106,16 +102,9 @@ class Shard(IndexedNode[T]):
         topology = self.topology
         # Keep the record before the cursor too: last_key() names it after a restore.
         first = topology.consumer + max(cursor[1] - 1, 0) * topology.num_consumers
-        saved = self._saved_remap
-        if saved is None or saved[0] != first:
-            compacted = remap.compacted(first)
-            previous = saved[1] if saved is not None else None
-            if previous is not None and previous["steps"] == [step.to_json() for step in compacted.steps]:
-                value = {**previous, "first": first}  # same levels: only the first position moved
-            else:
-                value = compacted.to_json()
-            saved = self._saved_remap = (first, value)
-        return saved[1]
+        if self._saved_remap is None or self._saved_remap[0] != first:
+            self._saved_remap = (first, remap.compacted(first).to_json())
+        return self._saved_remap[1]
 
     def _load(self, state: Any, path: str, progress: bool = True) -> None:
         self.remap = Remap.from_json(require(state, REMAP, dict, path), path) if REMAP in state else None
@@ -123,10 +112,4 @@ class Shard(IndexedNode[T]):
         super()._load(state, path, progress)
 
     def _config(self) -> dict[str, Any]:
-        topology = self.topology
-        return {
-            RANK: topology.rank,
-            WORLD_SIZE: topology.world_size,
-            WORKER: topology.worker,
-            NUM_WORKERS: topology.num_workers,
-        }
+        return self.topology.config()

@@ -11,6 +11,13 @@ from typing import Iterator
 
 from resumable.errors import ConfigError
 
+# State keys of a node that splits the epoch over consumers (shard, file-sharded stream).
+RANK = "rank"
+WORLD_SIZE = "world_size"
+WORKER = "worker"
+NUM_WORKERS = "num_workers"
+TOPOLOGY_KEYS = (RANK, WORLD_SIZE, WORKER, NUM_WORKERS)
+
 
 @dataclass(frozen=True)
 class Topology:
@@ -28,6 +35,10 @@ class Topology:
     @property
     def num_consumers(self) -> int:
         return self.world_size * self.num_workers
+
+    def config(self) -> dict[str, int]:
+        """The topology as state entries (``TOPOLOGY_KEYS``)."""
+        return {RANK: self.rank, WORLD_SIZE: self.world_size, WORKER: self.worker, NUM_WORKERS: self.num_workers}
 
 
 # The rank of the process that started this DataLoader worker: torch.distributed is not

@@ -20,22 +20,26 @@ import orjson
 from resumable.errors import ConfigError, SourceError, StateError
 from resumable.node import Node, RecordKey
 from resumable.order.lcg import Permutation
-from resumable.order.topology import Consumer, Topology
+from resumable.order.topology import TOPOLOGY_KEYS, Consumer, Topology
 from resumable.sources.files import Paths, check_fingerprints, expand_paths, fingerprint
-from resumable.state import ENDED, KIND, STATE_VERSION, VERSION, check_config, require, require_count
+from resumable.state import (
+    ENDED,
+    KIND,
+    STATE_VERSION,
+    VERSION,
+    check_config,
+    require,
+    require_count,
+    require_shared_epoch,
+)
 
 logger = logging.getLogger("resumable")
 
 FILES = "files"
 ON_ERROR = "on_error"
 SHUFFLE_FILES = "shuffle_files"
-RANK = "rank"
-WORLD_SIZE = "world_size"
-WORKER = "worker"
-NUM_WORKERS = "num_workers"
 EPOCH = "epoch"
 QUEUE = "queue"
-TOPOLOGY_KEYS = (RANK, WORLD_SIZE, WORKER, NUM_WORKERS)
 
 OFFSET_BITS = 40  # a record key packs (file, byte offset): offsets below 1 TiB per file
 LOGGED_SKIPS = 10
@@ -83,20 +87,17 @@ class JsonlStream(Node[Any]):
             self._queue = None
         return topology
 
-    def files_of_epoch(self, epoch: int) -> list[int]:
-        """This consumer's files in ``epoch``, in reading order."""
-        order = np.arange(len(self.paths), dtype=np.int64)
-        if self.shuffle_files is not None:
-            order = Permutation(len(self.paths), self.shuffle_files, epoch).take(order)
-        topology = self.topology
-        return order[topology.consumer :: topology.num_consumers].tolist()
-
     @property
     def queue(self) -> list[list[int]]:
-        topology = self.topology  # resolves first: a new process gets its own assignment
-        del topology
+        """The work items left, ``[file, byte offset, line]``; by default this consumer's files
+        of the epoch (``c, c + C, ...`` of the epoch's file order), from their start."""
+        topology = self.topology  # resolved first: in a new process it clears the parent's queue
         if self._queue is None:
-            self._queue = [[file, 0, 0] for file in self.files_of_epoch(self._epoch)]
+            order = np.arange(len(self.paths), dtype=np.int64)
+            if self.shuffle_files is not None:
+                order = Permutation(len(self.paths), self.shuffle_files, self._epoch).take(order)
+            files = order[topology.consumer :: topology.num_consumers].tolist()
+            self._queue = [[file, 0, 0] for file in files]
         return self._queue
 
     # -- iteration ----------------------------------------------------------------------------
@@ -178,15 +179,7 @@ class JsonlStream(Node[Any]):
         self._close_handle()
 
     def _config(self) -> dict[str, Any]:
-        topology = self.topology
-        return {
-            ON_ERROR: self.on_error,
-            SHUFFLE_FILES: self.shuffle_files,
-            RANK: topology.rank,
-            WORLD_SIZE: topology.world_size,
-            WORKER: topology.worker,
-            NUM_WORKERS: topology.num_workers,
-        }
+        return {ON_ERROR: self.on_error, SHUFFLE_FILES: self.shuffle_files, **self.topology.config()}
 
     def _state(self, progress: bool) -> dict[str, Any]:
         return {**super()._state(progress), FILES: self._fingerprints}
@@ -218,19 +211,15 @@ class JsonlStream(Node[Any]):
         """A share of every old consumer's work items, dealt out one by one."""
         config = {key: value for key, value in self._config().items() if key not in TOPOLOGY_KEYS}
         items: list[Any] = []
-        epochs = set()
         for old in olds:
             check_config(old, config, path)
             check_fingerprints(require(old, FILES, list, path), self._fingerprints, path)
-            epochs.add(require_count(old, EPOCH, path))
             items.extend(require(old, QUEUE, list, path))
-        if len(epochs) != 1:
-            raise StateError(f"{path}: old consumers are in different epochs {sorted(epochs)}; rescale within one")
         return {
             KIND: self.kind,
             VERSION: STATE_VERSION,
             **self._config(),
-            EPOCH: epochs.pop(),
+            EPOCH: require_shared_epoch(olds, EPOCH, path),
             QUEUE: items[consumer::num_consumers],
             ENDED: False,
             FILES: self._fingerprints,

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import atexit
 import functools
-import os
-import signal
-import threading
 import warnings
 import weakref
 from typing import Any, Callable, Sequence
@@ -20,6 +17,7 @@ from torchdata.stateful_dataloader.stateful_dataloader import (
 from resumable.errors import ConfigError, StateError
 from resumable.order.topology import distributed_rank
 from resumable.state import check_json, require, require_count
+from resumable.torch._worker_signals import init_worker
 from resumable.torch.dataset import PipelineDataset, PipelineOrFactory
 from resumable.torch.elastic import factory_of, rescale_for_rank
 
@@ -74,7 +72,7 @@ class Loader(StatefulDataLoader):
             raise ConfigError(f"Loader: num_workers must be a non-negative int, got {num_workers!r}")
         dataset = pipeline if isinstance(pipeline, PipelineDataset) else PipelineDataset(pipeline)
         if workers_ignore_sigterm:
-            worker_init_fn = functools.partial(_init_worker, worker_init_fn)
+            worker_init_fn = functools.partial(init_worker, worker_init_fn)
         with warnings.catch_warnings():  # torchdata calls a deprecated torch function here
             warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
             super().__init__(
@@ -236,33 +234,3 @@ def _shut_down_half_built_iterators(error: BaseException) -> None:
         if isinstance(candidate, _StatefulMultiProcessingDataLoaderIter):
             candidate._shutdown_workers()
         traceback = traceback.tb_next
-
-
-def _init_worker(user_init: Callable[[int], None] | None, worker_id: int) -> None:
-    _ignore_sigterm_unless_from_parent()
-    if user_init is not None:
-        user_init(worker_id)
-
-
-def _ignore_sigterm_unless_from_parent() -> None:
-    """Let only the parent's SIGTERM through: a scheduler's one is ignored, the loader's is not.
-
-    The parent terminates workers with SIGTERM when it shuts them down, and Python's own exit
-    hook (``multiprocessing.util._exit_function``) terminates then *joins* them, so a worker
-    that ignored every SIGTERM would hang its parent's exit. SIGTERM is blocked in this (the
-    worker's main) thread and in every thread started from it, and one daemon thread takes
-    each SIGTERM with ``sigwaitinfo``, which tells who sent it.
-    """
-    if not hasattr(signal, "sigwaitinfo"):  # macOS and Windows: keep the default (exit)
-        return
-    parent = os.getppid()
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-
-    def wait_for_parent_sigterm() -> None:
-        while signal.sigwaitinfo({signal.SIGTERM}).si_pid != parent:
-            pass
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
-        os.kill(os.getpid(), signal.SIGTERM)  # delivered to this thread: default action, exit
-
-    threading.Thread(target=wait_for_parent_sigterm, name="resumable-sigterm", daemon=True).start()
-

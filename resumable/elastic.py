@@ -37,9 +37,7 @@ from resumable.sources.stream import JsonlStream
 from resumable.state import (
     ENDED,
     KIND,
-    STATE_VERSION,
     UPSTREAM,
-    VERSION,
     check_header,
     check_json,
     require,
@@ -161,7 +159,7 @@ def _rescale_indexed(cursor: IndexedNode[Any], olds: list[dict[str, Any]], path:
     new_states: list[dict[str, Any]] = []
     length = 0
     for node, states, where in chain:
-        own: dict[str, Any] = {KIND: node.kind, VERSION: STATE_VERSION, **node._config()}
+        own = node._header()
         if isinstance(node, Shard):
             remap = _new_remap(node, states, epoch, cursors, where)
             own[REMAP] = remap.to_json()

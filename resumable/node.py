@@ -155,6 +155,19 @@ class Node(Generic[T]):
         """Options that shape the data stream; a state saved with other values is rejected."""
         return {}
 
+    def _identity(self) -> dict[str, Any]:
+        """What the node reads (file fingerprints), checked by ``_check_identity`` with its own
+        message; saved with every state, rescaled ones included."""
+        return {}
+
+    def _check_identity(self, state: dict[str, Any], path: str) -> None:
+        """Reject a state saved over other data (other files, changed files)."""
+
+    def _header(self) -> dict[str, Any]:
+        """The entries every state of this node starts with: kind, format version,
+        configuration and identity."""
+        return {KIND: self.kind, VERSION: STATE_VERSION, **self._config(), **self._identity()}
+
     def _progress(self) -> dict[str, Any]:
         """Counters that change during iteration."""
         return {}
@@ -167,7 +180,7 @@ class Node(Generic[T]):
         return self._state(progress=True)
 
     def _state(self, progress: bool) -> dict[str, Any]:
-        state = {KIND: self.kind, VERSION: STATE_VERSION, **self._config()}
+        state = self._header()
         if progress:
             state.update(self._progress())
             state[ENDED] = self._ended
@@ -202,6 +215,7 @@ class Node(Generic[T]):
     def _check_config(self, state: dict[str, Any], path: str) -> None:
         """Reject a state saved with other options or over other data."""
         check_config(state, self._config(), path)
+        self._check_identity(state, path)
 
     def _rescale(self, olds: list[dict[str, Any]], path: str, consumer: int, num_consumers: int) -> dict[str, Any]:
         """This node's own state entries (no upstream) for new consumer ``consumer`` of
@@ -209,7 +223,7 @@ class Node(Generic[T]):
         in (``resumable.elastic``). By default: the same options, counters of a fresh epoch."""
         for old in olds:
             self._check_config(old, path)
-        return {KIND: self.kind, VERSION: STATE_VERSION, **self._config(), **self._progress(), ENDED: False}
+        return {**self._header(), **self._progress(), ENDED: False}
 
     def state_dict(self) -> dict[str, Any]:
         """Alias of ``get_state`` (``torch.distributed.checkpoint.Stateful`` protocol)."""

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 import resumable as rs
 from resumable.elastic import consumer_of, rescaled_state, restore
+from tests.sources import INDEXED_KINDS, indexed_source
 
 SEQ_LEN = 16
 TOKEN_BASE = 1000  # token t of document d is d * TOKEN_BASE + t + 1: every token names itself
@@ -61,7 +62,9 @@ def expected(chain: str, docs: list[dict[str, Any]]) -> Counter[int]:
     return Counter(t for d in kept for t in d["input_ids"])
 
 
-def run_phases(chain: str, docs: list[dict[str, Any]], phases: list[tuple[int, list[float]]]) -> Counter[int]:
+def run_phases(
+    chain: str, docs: list[dict[str, Any]], phases: list[tuple[int, list[float]]], kind: str = "list"
+) -> Counter[int]:
     """Run consumers topology by topology: in each phase consumer ``c`` of ``C`` takes a fraction
     of what its shard holds, then every state is saved (as JSON) and the next topology restores
     from all of them. The last phase runs to the end of the epoch."""
@@ -71,7 +74,7 @@ def run_phases(chain: str, docs: list[dict[str, Any]], phases: list[tuple[int, l
         last = number == len(phases) - 1
         new_states = []
         for consumer in range(consumers):
-            pipe = CHAINS[chain](rs.from_list(docs), consumer, consumers)
+            pipe = CHAINS[chain](indexed_source(kind, docs), consumer, consumers)
             if states is not None:
                 restore(pipe, states)
             items = list(pipe) if last else take_fraction(pipe, fractions[consumer % len(fractions)])
@@ -91,54 +94,59 @@ def take_fraction(pipe: rs.Node, fraction: float) -> list[Any]:
     return [next(pipe) for _ in range(count)]
 
 
+@pytest.mark.parametrize("kind", INDEXED_KINDS)
 @pytest.mark.parametrize("chain", sorted(CHAINS))
-def test_each_document_once_across_rescales(chain: str) -> None:
+def test_each_document_once_across_rescales(chain: str, kind: str) -> None:
     docs = documents(150)
     phases = [(8, [0.3, 0.5, 0.2, 0.6]), (6, [0.4, 0.1, 0.7]), (1, [0.25]), (4, [1.0])]
-    assert run_phases(chain, docs, phases) == expected(chain, docs)
+    assert run_phases(chain, docs, phases, kind) == expected(chain, docs)
 
 
 @settings(deadline=None)
 @given(
     chain=st.sampled_from(sorted(CHAINS)),
+    kind=st.sampled_from(INDEXED_KINDS),
     count=st.integers(0, 120),
     phases=st.lists(
         st.tuples(st.integers(1, 7), st.lists(st.floats(0, 1), min_size=1, max_size=4)), min_size=1, max_size=4
     ),
 )
 def test_each_document_once_for_drawn_topologies(
-    chain: str, count: int, phases: list[tuple[int, list[float]]]
+    chain: str, kind: str, count: int, phases: list[tuple[int, list[float]]]
 ) -> None:
     docs = documents(count)
-    assert run_phases(chain, docs, phases) == expected(chain, docs)
+    kind = kind if docs else "list"  # a file without records is refused at construction
+    assert run_phases(chain, docs, phases, kind) == expected(chain, docs)
 
 
+@pytest.mark.parametrize("kind", INDEXED_KINDS)
 @pytest.mark.parametrize("chain", sorted(CHAINS))
-def test_same_topology_is_exact(chain: str) -> None:
+def test_same_topology_is_exact(chain: str, kind: str) -> None:
     docs = documents(60)
-    reference = [CHAINS[chain](rs.from_list(docs), c, 3) for c in range(3)]
+    reference = [CHAINS[chain](indexed_source(kind, docs), c, 3) for c in range(3)]
     heads = [[next(pipe) for _ in range(2)] for pipe in reference]
     states = [pipe.get_state() for pipe in reference]
     for consumer, pipe in enumerate(reference):
-        resumed = CHAINS[chain](rs.from_list(docs), consumer, 3)
+        resumed = CHAINS[chain](indexed_source(kind, docs), consumer, 3)
         restore(resumed, states)
         assert resumed.get_state() == states[consumer]
         assert [delivered(chain, x) for x in resumed] == [delivered(chain, x) for x in pipe]
     assert all(len(head) == 2 for head in heads)
 
 
-def test_later_epochs_run_on_the_new_topology_from_the_start() -> None:
+@pytest.mark.parametrize("kind", INDEXED_KINDS)
+def test_later_epochs_run_on_the_new_topology_from_the_start(kind: str) -> None:
     docs = documents(90)
     build = CHAINS["pack_best_fit"]
-    old = [build(rs.from_list(docs), c, 5) for c in range(5)]
+    old = [build(indexed_source(kind, docs), c, 5) for c in range(5)]
     for pipe in old:
         take_fraction(pipe, 0.5)
     states = [pipe.get_state() for pipe in old]
     for consumer in range(2):
-        resumed = build(rs.from_list(docs), consumer, 2)
+        resumed = build(indexed_source(kind, docs), consumer, 2)
         restore(resumed, states)
         list(resumed)  # the rest of the rescaled epoch
-        fresh = build(rs.from_list(docs), consumer, 2)
+        fresh = build(indexed_source(kind, docs), consumer, 2)
         fresh.start_epoch(1)
         following = [delivered("pack", row) for row in resumed]  # iterating again: epoch 1
         assert following == [delivered("pack", row) for row in fresh]
@@ -169,12 +177,13 @@ def test_rescaled_state_is_small_and_says_who_it_is() -> None:
     assert '"behind"' not in compact and '"shift"' in compact and '"first"' in compact
 
 
-def test_compacted_states_rescale_again_exactly() -> None:
+@pytest.mark.parametrize("kind", INDEXED_KINDS)
+def test_compacted_states_rescale_again_exactly(kind: str) -> None:
     """Consumers past the band save compacted remaps, those still in it the full level: a
     second rescale merges them and still delivers each document once."""
     docs = documents(300)
     phases = [(10, [0.3, 0.35, 0.32]), (4, [0.02, 0.5, 0.04, 0.6]), (3, [1.0])]
-    assert run_phases("shard", docs, phases) == expected("shard", docs)
+    assert run_phases("shard", docs, phases, kind) == expected("shard", docs)
 
 
 def test_wrong_old_states_are_state_errors() -> None:

@@ -63,7 +63,7 @@ from typing import Any, Mapping, NoReturn, TypeVar
 from resumable.errors import ConfigError, StateError
 from resumable.node import Node, RecordKey
 from resumable.order.lcg import _splitmix64
-from resumable.state import ENDED, KIND, STATE_VERSION, VERSION, check_config, check_header, require, require_count
+from resumable.state import ENDED, check_config, check_header, require, require_count
 
 T = TypeVar("T")
 
@@ -362,7 +362,7 @@ class Mix(Node[T]):
         }
 
     def _state(self, progress: bool) -> dict[str, Any]:
-        state = {KIND: self.kind, VERSION: STATE_VERSION, **self._config()}
+        state = self._header()
         if progress:
             state.update(self._progress())
             state[ENDED] = self._ended

@@ -20,7 +20,7 @@ from typing import Any, Callable, TypeVar
 from resumable.errors import ConfigError, ResumableError
 from resumable.node import Node, RecordKey
 from resumable.ops.prefetch import check_positive_int
-from resumable.state import ENDED, KIND, STATE_VERSION, UPSTREAM, VERSION
+from resumable.state import ENDED, UPSTREAM
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -195,7 +195,7 @@ class ParallelMap(Node[U]):
     # -- state ------------------------------------------------------------------------------
 
     def _state(self, progress: bool) -> dict[str, Any]:
-        state: dict[str, Any] = {KIND: self.kind, VERSION: STATE_VERSION, **self._config()}
+        state: dict[str, Any] = self._header()
         upstream: Node[Any] = self.upstream  # type: ignore[assignment]
         if not progress:
             state[UPSTREAM] = upstream._state(progress=False)

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 from resumable.errors import ConfigError
 from resumable.node import Node, RecordKey
-from resumable.state import ENDED, KIND, STATE_VERSION, UPSTREAM, VERSION
+from resumable.state import ENDED, UPSTREAM
 
 T = TypeVar("T")
 
@@ -199,7 +199,7 @@ class Prefetch(Node[T]):
     # -- state ------------------------------------------------------------------------------
 
     def _state(self, progress: bool) -> dict[str, Any]:
-        state: dict[str, Any] = {KIND: self.kind, VERSION: STATE_VERSION, **self._config()}
+        state: dict[str, Any] = self._header()
         if not progress:
             with self._lock:
                 state[UPSTREAM] = self.upstream._state(progress=False)  # type: ignore[union-attr]

@@ -20,7 +20,7 @@ from resumable.errors import ConfigError, ResumableError, SourceError, StateErro
 from resumable.node import IndexedNode, Node, RecordKey
 from resumable.pack.rows import RowFormat, Segment, collate_rows, cu_seqlens_length
 from resumable.pack.strategies import STRATEGIES, NextFit, Packer, Row, best_fit_decreasing, make_packer
-from resumable.state import ENDED, KIND, STATE_VERSION, VERSION, require, require_count
+from resumable.state import ENDED, require, require_count
 
 DEFAULT_BUFFER_SIZE = 1000
 OVERLONG_POLICIES = ("split", "truncate", "drop")
@@ -585,7 +585,7 @@ class Pack(Node[dict[str, np.ndarray]]):
                 pieces.append(span)
             pieces.extend(require(old, READY, list, path))
             pieces.extend(require(old, OPEN, list, path))
-        state = {KIND: self.kind, VERSION: STATE_VERSION, **self._config()}
+        state = self._header()
         state.update({OPEN: [], OPEN_SIZES: [], READY: [], READY_SIZES: [], SPAN: [], EXHAUSTED: False})
         state.update({INHERITED: pieces[consumer::num_consumers], STATS: dict.fromkeys(COUNTERS, 0), ENDED: False})
         return state

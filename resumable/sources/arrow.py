@@ -85,11 +85,10 @@ class ArrowSource(Source[dict[str, Any]]):
 
     # -- state --------------------------------------------------------------------------------
 
-    def _state(self, progress: bool) -> dict[str, Any]:
-        return {**super()._state(progress), FILES: self._fingerprints}
+    def _identity(self) -> dict[str, Any]:
+        return {FILES: self._fingerprints}
 
-    def _check_config(self, state: dict[str, Any], path: str) -> None:
-        super()._check_config(state, path)
+    def _check_identity(self, state: dict[str, Any], path: str) -> None:
         check_fingerprints(require(state, FILES, list, path), self._fingerprints, path)
 
     # -- reading ------------------------------------------------------------------------------
@@ -173,8 +172,8 @@ class HfSource(Source[dict[str, Any]]):
     def _config(self) -> dict[str, Any]:
         return {FINGERPRINT: self._fingerprint}
 
-    def _state(self, progress: bool) -> dict[str, Any]:
-        return {**super()._state(progress), FILES: self._fingerprints}
+    def _identity(self) -> dict[str, Any]:
+        return {FILES: self._fingerprints}
 
     def _check_config(self, state: dict[str, Any], path: str) -> None:
         saved = state.get(FINGERPRINT)
@@ -182,6 +181,9 @@ class HfSource(Source[dict[str, Any]]):
             raise StateError(
                 f"{path}: state was saved over dataset fingerprint {saved!r}, this dataset is {self._fingerprint!r}"
             )
+        self._check_identity(state, path)
+
+    def _check_identity(self, state: dict[str, Any], path: str) -> None:
         check_fingerprints(require(state, FILES, list, path), self._fingerprints, path)
 
     # -- reading ------------------------------------------------------------------------------

@@ -135,11 +135,10 @@ class ParquetSource(Source[dict[str, Any]]):
     def _config(self) -> dict[str, Any]:
         return {COLUMNS: self.columns}
 
-    def _state(self, progress: bool) -> dict[str, Any]:
-        return {**super()._state(progress), FILES: self._fingerprints}
+    def _identity(self) -> dict[str, Any]:
+        return {FILES: self._fingerprints}
 
-    def _check_config(self, state: dict[str, Any], path: str) -> None:
-        super()._check_config(state, path)
+    def _check_identity(self, state: dict[str, Any], path: str) -> None:
         check_fingerprints(require(state, FILES, list, path), self._fingerprints, path)
 
     # -- reading ------------------------------------------------------------------------------

@@ -24,9 +24,6 @@ from resumable.order.topology import TOPOLOGY_KEYS, Consumer, Topology
 from resumable.sources.files import Paths, check_fingerprints, expand_paths, fingerprint
 from resumable.state import (
     ENDED,
-    KIND,
-    STATE_VERSION,
-    VERSION,
     check_config,
     require,
     require_count,
@@ -181,14 +178,13 @@ class JsonlStream(Node[Any]):
     def _config(self) -> dict[str, Any]:
         return {ON_ERROR: self.on_error, SHUFFLE_FILES: self.shuffle_files, **self.topology.config()}
 
-    def _state(self, progress: bool) -> dict[str, Any]:
-        return {**super()._state(progress), FILES: self._fingerprints}
+    def _identity(self) -> dict[str, Any]:
+        return {FILES: self._fingerprints}
 
     def _progress(self) -> dict[str, Any]:
         return {EPOCH: self._epoch, QUEUE: [list(item) for item in self.queue]}
 
-    def _check_config(self, state: dict[str, Any], path: str) -> None:
-        super()._check_config(state, path)
+    def _check_identity(self, state: dict[str, Any], path: str) -> None:
         check_fingerprints(require(state, FILES, list, path), self._fingerprints, path)
 
     def _restore(self, state: dict[str, Any], path: str) -> None:
@@ -213,16 +209,13 @@ class JsonlStream(Node[Any]):
         items: list[Any] = []
         for old in olds:
             check_config(old, config, path)
-            check_fingerprints(require(old, FILES, list, path), self._fingerprints, path)
+            self._check_identity(old, path)
             items.extend(require(old, QUEUE, list, path))
         return {
-            KIND: self.kind,
-            VERSION: STATE_VERSION,
-            **self._config(),
+            **self._header(),
             EPOCH: require_shared_epoch(olds, EPOCH, path),
             QUEUE: items[consumer::num_consumers],
             ENDED: False,
-            FILES: self._fingerprints,
         }
 
     def __getstate__(self) -> dict[str, Any]:

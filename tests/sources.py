@@ -1,0 +1,64 @@
+"""The same records as every indexed source kind, so a property runs over all of them.
+
+``indexed_source(kind, records)`` returns a fresh source node over ``records`` (a list of dicts
+with the same keys): in memory, or written once per process to JSONL, Parquet or Arrow IPC
+(file and stream format) files in a temporary directory removed at exit. Properties
+parametrised over ``INDEXED_KINDS`` catch a mistake that only one kind makes (a state entry
+that only file-backed sources carry, say).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+import resumable as rs
+
+INDEXED_KINDS = ("list", "jsonl", "parquet", "arrow", "arrow_stream")
+
+_DIRECTORY = tempfile.mkdtemp(prefix="resumable-test-sources-")
+atexit.register(shutil.rmtree, _DIRECTORY, ignore_errors=True)
+_WRITTEN: dict[tuple[str, str], str] = {}
+"""(kind, JSON of the records) -> path of the file holding them."""
+
+
+def indexed_source(kind: str, records: list[dict[str, Any]]) -> rs.Node[Any]:
+    """A fresh source of ``kind`` whose records equal ``records`` (empty lists are not files)."""
+    if kind == "list":
+        return rs.from_list(records)
+    path = _file(kind, records)
+    if kind == "jsonl":
+        return rs.jsonl(path)
+    if kind == "parquet":
+        return rs.parquet(path)
+    if kind in ("arrow", "arrow_stream"):
+        return rs.arrow(path)
+    raise ValueError(f"unknown source kind {kind!r}")
+
+
+def _file(kind: str, records: list[dict[str, Any]]) -> str:
+    text = json.dumps(records, sort_keys=True)
+    key = (kind, text)
+    if key not in _WRITTEN:
+        path = os.path.join(_DIRECTORY, f"{len(_WRITTEN)}.{kind}")
+        if kind == "jsonl":
+            with open(path, "w") as out:
+                out.writelines(json.dumps(record) + "\n" for record in records)
+        else:
+            table = pa.Table.from_pylist(records)
+            if kind == "parquet":
+                pq.write_table(table, path, row_group_size=max(1, len(records) // 5))
+            else:
+                new_writer = pa.ipc.new_stream if kind == "arrow_stream" else pa.ipc.new_file
+                with pa.OSFile(path, "wb") as sink, new_writer(sink, table.schema) as writer:
+                    for batch in table.to_batches(max_chunksize=max(1, len(records) // 4)):
+                        writer.write_batch(batch)
+        _WRITTEN[key] = path
+    return _WRITTEN[key]

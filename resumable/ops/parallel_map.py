@@ -20,7 +20,7 @@ from typing import Any, Callable, TypeVar
 from resumable.errors import ConfigError, ResumableError
 from resumable.node import Node, RecordKey
 from resumable.ops.prefetch import check_positive_int
-from resumable.state import ENDED, UPSTREAM
+from resumable.ops.read_ahead import ReadAhead
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -59,7 +59,7 @@ def _stop_pool(pool: Executor, thread_prefix: str) -> None:
     pool.shutdown(wait=not in_pool_thread, cancel_futures=True)
 
 
-class ParallelMap(Node[U]):
+class ParallelMap(ReadAhead[U]):
     """Apply ``fn`` to each item in a pool of ``num_workers`` threads or processes (``mode``).
 
     Results come in upstream order. At most ``2 * num_workers`` items are in flight; the state
@@ -93,21 +93,16 @@ class ParallelMap(Node[U]):
         # Entries (kind, future or error, upstream state after it, upstream last_key after it).
         self._window: deque[tuple[int, Any, dict[str, Any], RecordKey | None]] = deque()
         self._upstream_done = False
-        # Upstream state and key as of the last result handed out; None: the live upstream's.
-        self._recorded: dict[str, Any] | None = None
-        self._recorded_key: RecordKey | None = None
 
     # -- iteration --------------------------------------------------------------------------
 
     def _next(self) -> U:
-        if self._recorded is None:
-            self._recorded = self.upstream._state(progress=True)  # type: ignore[union-attr]
-            self._recorded_key = self.upstream.last_key()  # type: ignore[union-attr]
+        self._record_live()
         self._fill()
         if not self._window:
             raise StopIteration  # the end was handed out already
         kind, payload, state, key = self._window.popleft()
-        self._recorded, self._recorded_key = state, key
+        self._record(state, key)
         if kind == _END:
             raise StopIteration
         if kind == _ERROR:
@@ -152,59 +147,25 @@ class ParallelMap(Node[U]):
             self._finalizer = weakref.finalize(self, _stop_pool, pool, name)
         return self._pool
 
-    def _drop_window(self) -> None:
+    def _drop_ahead(self) -> bool:
         """Forget the records in flight; the pool keeps running for the next ones."""
+        ran_ahead = bool(self._window)
         for kind, payload, _, _ in self._window:
             if kind == _RESULT:
                 payload.cancel()
         self._window.clear()
         self._upstream_done = False
+        return ran_ahead
 
     def _shutdown(self) -> None:
-        """Stop the pool (its threads or processes) and return the upstream, which ran ahead,
-        to the last item handed out, so that iterating on redoes the dropped records."""
-        ran_ahead = bool(self._window)
-        self._drop_window()
+        """Stop the pool (its threads or processes); iterating on redoes the dropped records."""
+        self._rewind()
         pool, self._pool = self._pool, None
         if self._finalizer is not None:
             self._finalizer.detach()
             self._finalizer = None
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
-        if ran_ahead and self._recorded is not None:
-            self.upstream._load(self._recorded, f"{self.kind} > {self.upstream.kind}")  # type: ignore[union-attr]
-
-
-    # -- epochs -------------------------------------------------------------------------------
-
-    def _begin_epoch(self, epoch: int | None) -> None:
-        self._drop_window()
-        super()._begin_epoch(epoch)
-        self._recorded, self._recorded_key = None, None
-
-    # -- provenance ---------------------------------------------------------------------------
-
-    def last_key(self) -> RecordKey | None:
-        if self._recorded is None:
-            return self.upstream.last_key()  # type: ignore[union-attr]
-        return self._recorded_key
 
     def fetch(self, key: RecordKey) -> U:
-        return self.fn(self.upstream.fetch(key))  # type: ignore[union-attr]
-
-    # -- state ------------------------------------------------------------------------------
-
-    def _state(self, progress: bool) -> dict[str, Any]:
-        state: dict[str, Any] = self._header()
-        upstream: Node[Any] = self.upstream  # type: ignore[assignment]
-        if not progress:
-            state[UPSTREAM] = upstream._state(progress=False)
-            return state
-        state[ENDED] = self._ended
-        state[UPSTREAM] = self._recorded if self._recorded is not None else upstream._state(progress=True)
-        return state
-
-    def _load(self, state: Any, path: str, progress: bool = True) -> None:
-        self._drop_window()
-        self._recorded, self._recorded_key = None, None
-        super()._load(state, path, progress)
+        return self.fn(self.upstream.fetch(key))

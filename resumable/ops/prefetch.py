@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 from resumable.errors import ConfigError
 from resumable.node import Node, RecordKey
-from resumable.state import ENDED, UPSTREAM
+from resumable.ops.read_ahead import ReadAhead
 
 T = TypeVar("T")
 
@@ -103,7 +103,7 @@ class _Producer:
                 break
 
 
-class Prefetch(Node[T]):
+class Prefetch(ReadAhead[T]):
     """Run the upstream in a daemon thread, up to ``buffer_size`` items ahead of the consumer.
 
     State: the upstream state as of the last item handed out (items in flight are produced
@@ -120,10 +120,6 @@ class Prefetch(Node[T]):
         self._lock = threading.Lock()
         self._producer: _Producer | None = None
         self._finalizer: weakref.finalize | None = None
-        # Upstream state and key as of the last item handed out; None: the live upstream's
-        # (no producer has run since the last restore or epoch start).
-        self._recorded: dict[str, Any] | None = None
-        self._recorded_key: RecordKey | None = None
         self._exhausted = False
 
     # -- iteration --------------------------------------------------------------------------
@@ -135,12 +131,12 @@ class Prefetch(Node[T]):
         if producer is None:
             producer = self._start()
         tag, payload, state, key = producer.get()
-        self._recorded, self._recorded_key = state, key
+        self._record(state, key)
         if tag == _ITEM:
             return payload  # type: ignore[no-any-return]
         if tag == _END:
             self._exhausted = True
-            self._stop()
+            self._drop_ahead()
             raise StopIteration
         if not isinstance(payload, Exception):
             self._shutdown()
@@ -150,69 +146,40 @@ class Prefetch(Node[T]):
         raise payload
 
     def _start(self) -> _Producer:
-        upstream: Node[Any] = self.upstream  # type: ignore[assignment]
-        if self._recorded is None:
-            self._recorded = upstream._state(progress=True)
-            self._recorded_key = upstream.last_key()
-        producer = _Producer(upstream, self.buffer_size, self._lock, f"resumable-{self.kind}")
+        self._record_live()
+        producer = _Producer(self.upstream, self.buffer_size, self._lock, f"resumable-{self.kind}")
         self._producer = producer
         self._finalizer = weakref.finalize(self, producer.stop, FINALIZER_JOIN_TIMEOUT_S)
         return producer
 
-    def _stop(self) -> None:
+    def _drop_ahead(self) -> bool:
         """Stop the producer thread (if any) and drop the items it had queued."""
         producer, self._producer = self._producer, None
         if self._finalizer is not None:
             self._finalizer.detach()
             self._finalizer = None
-        if producer is not None:
-            producer.stop()
+        if producer is None:
+            return False
+        producer.stop()
+        return True
 
     def _shutdown(self) -> None:
-        """Stop the producer thread and return the upstream, which ran ahead, to the last item
-        handed out, so that iterating on after a shutdown produces the dropped items again."""
-        running = self._producer is not None
-        self._stop()
-        if running and self._recorded is not None:
-            self.upstream._load(self._recorded, f"{self.kind} > {self.upstream.kind}")  # type: ignore[union-attr]
+        """Stop the producer thread; iterating on produces the dropped items again."""
+        self._rewind()
 
+    def _upstream_guard(self) -> threading.Lock:
+        return self._lock
 
-    # -- epochs ---------------------------------------------------------------------------
+    # -- epochs, provenance, state ------------------------------------------------------------
 
     def _begin_epoch(self, epoch: int | None) -> None:
-        self._stop()
         super()._begin_epoch(epoch)
-        self._recorded, self._recorded_key = None, None
         self._exhausted = False
-
-    # -- provenance -----------------------------------------------------------------------
-
-    def last_key(self) -> RecordKey | None:
-        if self._recorded is None:
-            return self.upstream.last_key()  # type: ignore[union-attr]
-        return self._recorded_key
 
     def fetch(self, key: RecordKey) -> T:
         with self._lock:
-            return self.upstream.fetch(key)  # type: ignore[union-attr]
-
-    # -- state ------------------------------------------------------------------------------
-
-    def _state(self, progress: bool) -> dict[str, Any]:
-        state: dict[str, Any] = self._header()
-        if not progress:
-            with self._lock:
-                state[UPSTREAM] = self.upstream._state(progress=False)  # type: ignore[union-attr]
-            return state
-        state[ENDED] = self._ended
-        recorded = self._recorded
-        if recorded is None:
-            recorded = self.upstream._state(progress=True)  # type: ignore[union-attr]
-        state[UPSTREAM] = recorded
-        return state
+            return self.upstream.fetch(key)  # type: ignore[no-any-return]
 
     def _load(self, state: Any, path: str, progress: bool = True) -> None:
-        self._stop()
-        self._recorded, self._recorded_key = None, None
         self._exhausted = False
         super()._load(state, path, progress)

@@ -402,6 +402,30 @@ class IndexedNode(Node[T]):
             record = fn(record)
         return record  # type: ignore[no-any-return]
 
+    def _scan(self, start: int, stop: int, epoch: int, skip: bool) -> Iterator[tuple[int, T]]:
+        """``(leaf index, record)`` for positions ``[start, stop)`` of ``epoch``, read in chunks
+        by random access (the cursor does not move). A record the decoder rejects raises the
+        source's error, or with ``skip`` is left out when the source skips malformed records
+        (``on_error="skip"``, counted by the source), as iteration would."""
+        self._prepare_chain()
+        decode, fns = self._decode, self._fns
+        position = start
+        while position < stop:
+            raws = self._raw_chunk(position, min(MAX_CHUNK, stop - position), epoch)
+            leaves = self._leaf_indices(np.arange(position, position + len(raws), dtype=np.int64), epoch)
+            for raw, leaf in zip(raws, leaves.tolist()):
+                position += 1
+                record = raw
+                if decode is not None:
+                    try:
+                        record = decode(raw)
+                    except Exception as error:  # noqa: BLE001 - the source raises its own error
+                        self.leaf._decode_failed(raw, leaf, error, may_skip=skip)
+                        continue
+                for fn in fns:
+                    record = fn(record)
+                yield leaf, record
+
     def last_key(self) -> RecordKey | None:
         last = self.position - 1
         if last < 0:

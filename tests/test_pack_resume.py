@@ -246,3 +246,28 @@ def test_start_epoch_resets_the_buffers() -> None:
     take(midway, 2)
     midway.start_epoch(2)
     assert list(midway) == epochs[2]
+
+
+@pytest.mark.parametrize("strategy, buffer_size", [(name, 8) for name in STREAMING] + [("bfd", None)])
+def test_malformed_lines_are_skipped_by_every_strategy_with_on_error_skip(
+    tmp_path: Any, strategy: str, buffer_size: int | None
+) -> None:
+    """A whole-epoch plan reads every record up front; it must skip and count malformed lines
+    exactly as the streaming strategies (and plain iteration) do, and still resume exactly."""
+    lines = [json.dumps({"id": i, "input_ids": list(range(1, 2 + i % 7))}) for i in range(40)]
+    for bad in (3, 17, 39):
+        lines[bad] = '{"id": broken'
+    path = tmp_path / "docs.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+
+    def build() -> Node[Any]:
+        return rs.jsonl(str(path), on_error="skip").shuffle(2).pack(8, strategy=strategy, buffer_size=buffer_size)
+
+    pipe = build()
+    rows = list(pipe)
+    tokens = sorted(int(t) for row in rows for t in row["input_ids"][row["document_ids"] > 0])
+    good = [json.loads(line) for line in lines if "broken" not in line]
+    assert tokens == sorted(t for record in good for t in record["input_ids"])
+    assert pipe.upstream.upstream.stats["skipped"] >= 3  # type: ignore[union-attr]
+    for k in (0, 1, len(rows) // 2, len(rows)):
+        check_resume(lambda: build().map(as_lists), k, len(rows) + 3)

@@ -306,25 +306,7 @@ class Cache(IndexedNode[T]):
 
     def _compute(self, start: int, stop: int) -> list[Any]:
         """Upstream records ``[start, stop)``: read raw, decode and map, as its cursor would."""
-        upstream = self.upstream
-        upstream._prepare_chain()  # type: ignore[union-attr]
-        raws: list[Any] = []
-        while start + len(raws) < stop:
-            position = start + len(raws)
-            raws.extend(upstream._raw_chunk(position, stop - position, 0))  # type: ignore[union-attr]
-        decode, fns = upstream._decode, upstream._fns  # type: ignore[union-attr]
-        records = []
-        for offset, raw in enumerate(raws):
-            record = raw
-            if decode is not None:
-                try:
-                    record = decode(raw)
-                except Exception as error:  # noqa: BLE001 - the source raises its own error
-                    upstream._reject(raw, start + offset, 0, error, may_skip=False)  # type: ignore[union-attr]
-                    raise
-            for fn in fns:
-                record = fn(record)
-            records.append(record)
+        records = [record for _, record in self.upstream._scan(start, stop, 0, skip=False)]  # type: ignore[union-attr]
         self.computed += len(records)
         return records
 

@@ -464,10 +464,10 @@ class Pack(Node[dict[str, np.ndarray]]):
         seq_len = self.seq_len
         counts = dict.fromkeys(DOCUMENT_COUNTERS, 0)
         kept: list[tuple[int, int, int]] = []  # (record index, full, end) of documents with tokens
-        positions = np.arange(upstream._length(epoch), dtype=np.int64)  # type: ignore[union-attr]
-        for index in upstream._leaf_indices(positions, epoch).tolist():  # type: ignore[union-attr]
+        length = upstream._length(epoch)  # type: ignore[union-attr]
+        for index, record in upstream._scan(0, length, epoch, skip=True):  # type: ignore[union-attr]
             key = (epoch, index)
-            tokens, _ = self._read(upstream.fetch(key), key)  # type: ignore[union-attr]
+            tokens, _ = self._read(record, key)
             full, end = self._cut(len(tokens), counts)
             if end:
                 kept.append((index, full, end))

@@ -234,7 +234,7 @@ def _files(state: dict[str, Any]) -> list[str]:
             continue
         lines.append("")
         lines.append(f"files of {node[KIND]} ({len(files)}):")
-        for name, size, mtime_ns in files:
+        for name, size, mtime_ns, *_ in files:  # [path, size, mtime_ns, digest]; old states lack the digest
             when = datetime.datetime.fromtimestamp(mtime_ns / 1e9, tz=datetime.timezone.utc)
             lines.append(f"  {name}  {size / 1e6:,.1f} MB  modified {when:%Y-%m-%d %H:%M:%S} UTC")
     return lines

@@ -75,9 +75,9 @@ def test_changed_file_is_a_state_error_and_a_source_error_after_pickling(tmp_pat
     state = source.get_state()
     blob = pickle.dumps(source)
     write_ipc(tmp_path / "a.arrow", table(range(12)), stream=False, batch_rows=4)
-    with pytest.raises(rs.StateError, match="changed since the state was saved"):
+    with pytest.raises(rs.StateError, match="differs from the file the state was taken over"):
         arrow(path).set_state(state)
-    with pytest.raises(rs.SourceError, match="changed since the pipeline was built"):
+    with pytest.raises(rs.SourceError, match="changed during the run"):
         pickle.loads(blob)[0]
 
 

@@ -1,4 +1,4 @@
-"""LineIndex against a pure-Python reference, plus sidecar freshness, fallbacks and errors."""
+"""LineIndex against a pure-Python reference, plus sidecar freshness, integrity, fallbacks and errors."""
 
 from __future__ import annotations
 
@@ -8,15 +8,24 @@ import os
 import stat
 import warnings
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
+import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from resumable.errors import ConfigError, SourceError
 from resumable.sources import line_index
-from resumable.sources.line_index import HEADER, SIDECAR_SUFFIX, LineIndex, SidecarWarning
+from resumable.sources.line_index import (
+    BLOCK_ENTRIES,
+    CONTENT_DIGEST,
+    HEADER,
+    SIDECAR_SUFFIX,
+    LineIndex,
+    SidecarWarning,
+)
 
 BOM = b"\xef\xbb\xbf"
 
@@ -44,12 +53,15 @@ def write(tmp_path: Path, data: bytes, name: str = "data.jsonl") -> str:
 
 def check(index: LineIndex, data: bytes, *, line_numbers: bool = True) -> None:
     starts, numbers, blank_lines, has_bom = reference(data)
+    assert index.offsets(0, len(starts)).tolist() == starts  # verified reads first: they may rebuild
+    assert index.offsets_at(np.arange(len(starts), dtype=np.int64)[::-1]).tolist() == starts[::-1]
     assert index.starts.dtype == np.uint64
     assert index.starts.tolist() == starts
     assert index.num_records == len(index) == len(starts) - 1
     assert index.blank_lines == blank_lines
     assert index.has_bom is has_bom
     assert index.size == len(data)
+    assert index.content_digest == f"{CONTENT_DIGEST}:{xxhash.xxh3_64_intdigest(data):016x}"
     if line_numbers:
         assert [index.line_number(i) for i in range(len(index))] == numbers
 
@@ -225,7 +237,8 @@ def test_open_writes_sidecar_and_reuses_it(tmp_path: Path, monkeypatch: pytest.M
     check(first, DATA)
     assert first.sidecar == path + SIDECAR_SUFFIX
     assert isinstance(first.starts, np.memmap)
-    assert os.path.getsize(first.sidecar) == HEADER.size + 8 * (first.num_records + 1)
+    entries = first.num_records + 1
+    assert os.path.getsize(first.sidecar) == HEADER.size + 8 * entries + 8 * -(-entries // BLOCK_ENTRIES)
     assert not (tmp_path / "cache").exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
     mtime = os.stat(first.sidecar).st_mtime_ns
@@ -266,12 +279,12 @@ def test_rebuilt_when_content_changes_same_mtime(tmp_path: Path, monkeypatch: py
 
 
 def corruptions(sidecar: bytes) -> dict[str, bytes]:
-    flipped_crc = bytearray(sidecar)
-    flipped_crc[30] ^= 0xFF  # inside num_records: caught by the header CRC
-    wrong_version = bytearray(sidecar)
-    wrong_version[8] += 1
+    """Damage a sidecar's header or size: caught when it is opened."""
+    flipped_header = bytearray(sidecar)
+    flipped_header[30] ^= 0xFF  # inside the data mtime: caught by the header checksum
     bad_last = bytearray(sidecar)
-    bad_last[-8:] = (10**6).to_bytes(8, "little")
+    entries = (len(sidecar) - HEADER.size) // 8 - 1  # one block here: entries, then one checksum
+    bad_last[HEADER.size + 8 * (entries - 1) : HEADER.size + 8 * entries] = (10**6).to_bytes(8, "little")
     return {
         "empty": b"",
         "short_header": sidecar[:10],
@@ -279,8 +292,7 @@ def corruptions(sidecar: bytes) -> dict[str, bytes]:
         "truncated_body": sidecar[:-3],
         "extra_bytes": sidecar + b"\x00" * 8,
         "bad_magic": b"X" + sidecar[1:],
-        "flipped_crc": bytes(flipped_crc),
-        "wrong_version": bytes(wrong_version),
+        "flipped_header": bytes(flipped_header),
         "bad_last_entry": bytes(bad_last),
         "garbage": os.urandom(len(sidecar)),
     }
@@ -293,12 +305,151 @@ def test_corrupt_sidecar_is_rebuilt(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert sidecar is not None
     Path(sidecar).write_bytes(corruptions(Path(sidecar).read_bytes())[kind])
     builds = count_builds(monkeypatch)
-    index = LineIndex.open(path)
+    with pytest.warns(SidecarWarning, match="is corrupt"):
+        index = LineIndex.open(path)
     assert builds == [path]
     check(index, DATA)
     assert index.sidecar == sidecar
     forbid_build(monkeypatch)
     check(LineIndex.open(path), DATA)  # the rebuilt sidecar is good
+
+
+def rewrite_offsets(sidecar: str, change: Callable[[np.ndarray], None], *, checksums: bool = False) -> None:
+    """Apply ``change`` to the stored offsets of ``sidecar`` in place, leaving the header as it
+    is; with ``checksums``, store matching block checksums too (a consistent but wrong index)."""
+    data = bytearray(Path(sidecar).read_bytes())
+    entries = HEADER.unpack_from(data)[5] + 1
+    starts = np.frombuffer(data, dtype="<u8", count=entries, offset=HEADER.size).copy()
+    change(starts)
+    data[HEADER.size : HEADER.size + 8 * entries] = starts.tobytes()
+    if checksums:
+        data[HEADER.size + 8 * entries :] = line_index._block_checksums(starts).tobytes()
+    Path(sidecar).write_bytes(bytes(data))
+
+
+def many_records(count: int) -> bytes:
+    return b"".join(b'{"i": %d}\n' % i for i in range(count))
+
+
+def test_corrupt_offset_in_body_is_rebuilt_not_trusted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression: one changed offset in the body passed the header checks, and valid data
+    then failed as malformed JSON. Each block has a checksum, verified on first use."""
+    data = many_records(40)
+    path = write(tmp_path, data)
+    sidecar = LineIndex.open(path).sidecar
+    assert sidecar is not None
+
+    def shift(starts: np.ndarray) -> None:
+        starts[17] += 3
+
+    rewrite_offsets(sidecar, shift)
+    builds = count_builds(monkeypatch)
+    index = LineIndex.open(path)
+    assert builds == []  # opening stays O(1): the body is not read
+    with pytest.warns(SidecarWarning, match="block 0 of its offsets fails its checksum"):
+        assert index.offsets(17, 19).tolist() == reference(data)[0][17:19]
+    assert builds == [path]
+    check(index, data)
+    forbid_build(monkeypatch)
+    check(LineIndex.open(path), data)  # rewritten on disk
+
+
+@pytest.mark.parametrize(
+    "change",
+    {
+        "decreasing": lambda starts: starts.__setitem__(slice(3, 5), starts[3:5][::-1].copy()),
+        "past_the_end": lambda starts: starts.__setitem__(-2, starts[-1] + 1),
+        "before_the_bom": lambda starts: starts.__setitem__(0, 0),
+    }.values(),
+    ids=["decreasing", "past_the_end", "before_the_bom"],
+)
+def test_inconsistent_offsets_with_matching_checksums_are_rebuilt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: Callable[[np.ndarray], None]
+) -> None:
+    data = BOM + many_records(12)
+    path = write(tmp_path, data)
+    sidecar = LineIndex.open(path).sidecar
+    assert sidecar is not None
+    rewrite_offsets(sidecar, change, checksums=True)
+    with pytest.warns(SidecarWarning, match="is corrupt"):
+        check(LineIndex.open(path), data)
+
+
+def test_blocks_are_verified_once_and_only_when_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(line_index, "BLOCK_ENTRIES", 4)
+    data = many_records(50)  # 51 entries: 13 blocks
+    path = write(tmp_path, data)
+    sidecar = LineIndex.open(path).sidecar
+    assert sidecar is not None and os.path.getsize(sidecar) == HEADER.size + 8 * 51 + 8 * 13
+
+    def corrupt_block_9(starts: np.ndarray) -> None:
+        starts[38] += 1
+
+    rewrite_offsets(sidecar, corrupt_block_9)
+    builds = count_builds(monkeypatch)
+    index = LineIndex.open(path)
+    expected = reference(data)[0]
+    assert index._unverified == 13
+    assert index.offsets(0, 10).tolist() == expected[:10]  # blocks 0-2
+    assert index.offsets_at(np.array([45, 12], dtype=np.int64)).tolist() == [expected[45], expected[12]]
+    assert index._unverified == 8 and builds == []
+    assert index.offsets(0, 10).tolist() == expected[:10]  # verified blocks are not checked again
+    with pytest.warns(SidecarWarning, match="block 9 "):
+        assert index.offsets_at(np.array([37, 39], dtype=np.int64)).tolist() == [expected[37], expected[39]]
+    assert builds == [path] and index._unverified == 0
+    check(index, data)
+
+
+def test_corrupt_block_checksum_is_rebuilt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = many_records(30)
+    path = write(tmp_path, data)
+    sidecar = LineIndex.open(path).sidecar
+    assert sidecar is not None
+    stored = bytearray(Path(sidecar).read_bytes())
+    stored[-1] ^= 0x01  # the last (only) block checksum
+    Path(sidecar).write_bytes(bytes(stored))
+    with pytest.warns(SidecarWarning, match="fails its checksum"):
+        check(LineIndex.open(path), data)
+
+
+def test_old_format_sidecar_is_rebuilt_silently(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = write(tmp_path, DATA)
+    sidecar = LineIndex.open(path).sidecar
+    assert sidecar is not None
+    stored = bytearray(Path(sidecar).read_bytes())
+    stored[8:12] = (1).to_bytes(4, "little")  # format version 1: header CRC-32, no checksums
+    Path(sidecar).write_bytes(bytes(stored[:64]) + bytes(stored[HEADER.size : HEADER.size + 8 * 4]))
+    builds = count_builds(monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        index = LineIndex.open(path)
+    assert builds == [path]
+    check(index, DATA)
+    assert HEADER.unpack_from(Path(sidecar).read_bytes())[1] == line_index.FORMAT_VERSION
+
+
+def test_rebuild_of_a_file_changed_during_the_run_is_a_source_error(tmp_path: Path) -> None:
+    data = many_records(20)
+    path = write(tmp_path, data)
+    sidecar = LineIndex.open(path).sidecar
+    assert sidecar is not None
+    rewrite_offsets(sidecar, lambda starts: starts.__setitem__(5, starts[5] + 1))
+    index = LineIndex.open(path)
+    info = os.stat(path)
+    Path(path).write_bytes(data.replace(b'"i": 1', b'"j": 1'))  # same size
+    os.utime(path, ns=(info.st_atime_ns, info.st_mtime_ns))
+    with pytest.warns(SidecarWarning), pytest.raises(SourceError, match="changed during the run"):
+        index.offsets(0, 10)
+
+
+def test_content_digest_is_kept_in_the_sidecar(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = BOM + DATA
+    path = write(tmp_path, data)
+    built = LineIndex.open(path)
+    forbid_build(monkeypatch)
+    loaded = LineIndex.open(path)
+    assert loaded.content_digest == built.content_digest == line_index.content_digest(path)
+    assert loaded.content_digest == f"{CONTENT_DIGEST}:{xxhash.xxh3_64_intdigest(data):016x}"
 
 
 def test_sidecar_keeps_bom_and_blank_counts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import resumable as rs
-from resumable.sources.parquet import ParquetSource, parquet
+from resumable.sources.parquet import ParquetSource, footer_digest, parquet
 from tests.resume import check_resume, take
 
 
@@ -107,9 +107,9 @@ def test_missing_empty_and_invalid_files_fail_at_construction(tmp_path: Path) ->
 def test_pickles_without_open_files(tmp_path: Path) -> None:
     source = parquet(corpus(tmp_path))
     assert source[3]["id"] == 3
-    assert source._files[0] is not None and source._cache
+    assert source._handles[0] is not None and source._cache
     clone = pickle.loads(pickle.dumps(source))
-    assert clone._files == [None, None, None] and not clone._cache
+    assert clone._handles == [None, None, None] and not clone._cache
     assert [r["id"] for r in clone] == list(range(100))
 
 
@@ -118,7 +118,7 @@ def test_changed_file_after_pickling_is_a_source_error(tmp_path: Path) -> None:
     blob = pickle.dumps(parquet(path))
     write(tmp_path / "a.parquet", list(range(12)))
     clone = pickle.loads(blob)
-    with pytest.raises(rs.SourceError, match="changed since the pipeline was built"):
+    with pytest.raises(rs.SourceError, match="changed during the run"):
         clone[0]
 
 
@@ -127,10 +127,10 @@ def test_changed_file_on_resume_is_a_state_error(tmp_path: Path) -> None:
     source = parquet(path)
     take(source, 3)
     state = source.get_state()
-    assert state["files"] == [[path, os.path.getsize(path), os.stat(path).st_mtime_ns]]
+    assert state["files"] == [[path, os.path.getsize(path), os.stat(path).st_mtime_ns, footer_digest(path)]]
     write(tmp_path / "a.parquet", list(range(10, 20)))
     os.utime(path, ns=(1, 1))
-    with pytest.raises(rs.StateError, match="changed since the state was saved"):
+    with pytest.raises(rs.StateError, match="differs from the file the state was taken over"):
         parquet(path).set_state(state)
 
 
@@ -217,5 +217,5 @@ def test_a_read_needing_several_row_groups_decodes_them_concurrently(
         raise pa.ArrowInvalid("corrupt page")
 
     monkeypatch.setattr(pq.ParquetFile, "read_row_group", broken)
-    with pytest.raises(rs.SourceError, match="cannot decode row group 0 of .*a.parquet.: corrupt page"):
+    with pytest.raises(rs.SourceError, match="cannot decode row group 0 of .*a.parquet.: ArrowInvalid: corrupt page"):
         parquet(pattern)._raw_at(np.array([0, 99], dtype=np.int64))

@@ -109,10 +109,10 @@ def test_changed_files_and_bad_queues_are_errors(tmp_path: Path) -> None:
     with pytest.raises(rs.StateError, match="queue entry"):
         rs.jsonl_stream(pattern).set_state(bad)
     (tmp_path / "part0.jsonl").write_text('{"id": 0}\n')
-    with pytest.raises(rs.StateError, match="changed since the state was saved"):
+    with pytest.raises(rs.StateError, match="part0.jsonl' differs from the file the state was taken over"):
         rs.jsonl_stream(pattern).set_state(state)
     stream.close()  # files are checked when opened
-    with pytest.raises(rs.SourceError, match="changed since the pipeline was built"):
+    with pytest.raises(rs.SourceError, match="part0.jsonl' changed during the run"):
         list(stream)
 
 

@@ -4,6 +4,8 @@
   or the streaming format (what Hugging Face ``datasets`` writes) through ``pa.memory_map``:
   record batches are zero-copy views of the page cache, their row offsets are computed once
   at construction, and record ``i`` is ``(batch, row)``, taken by random access in O(1).
+  Each batch is fully validated (offsets in bounds, valid UTF-8) the first time it is read, so
+  a corrupt file is a ``SourceError``, never a crash.
 * ``rs.from_hf(dataset)`` reads a map-style ``datasets.Dataset`` without copying it: the
   dataset's own memory-mapped Arrow table and its indices mapping (after ``select``,
   ``shuffle``, ``filter``), so record ``i`` equals ``dataset[i]`` (as Python objects).
@@ -16,64 +18,74 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
+import xxhash
 
 from resumable.errors import ConfigError, SourceError, StateError
-from resumable.sources.files import Fingerprint, Paths, check_fingerprints, expand_paths, fingerprint
-from resumable.sources.parquet import FILES, group_take
-from resumable.sources.source import Source
-from resumable.state import require
+from resumable.sources.files import Paths, WatchedFiles, expand_paths, reading
+from resumable.sources.parquet import group_take
+from resumable.sources.source import FileSource
 
 FINGERPRINT = "fingerprint"
 """State key of a Hugging Face dataset's ``_fingerprint`` (changes with every transform)."""
+IPC_FILE_MAGIC = b"ARROW1"
+IPC_FILE_PREAMBLE = 8
+"""The IPC file format is the magic, padding to 8 bytes, the stream format, then a footer."""
+
+
+def ipc_digest(path: str) -> str:
+    """A digest of the metadata of every message of an Arrow IPC file (either format): the
+    schema, and every record batch's row count, null counts and buffer offsets and lengths.
+    Any rewrite that changes the layout changes it; an edit of values in place that keeps every
+    length does not. Reads the messages' metadata only, not their bodies."""
+    hasher = xxhash.xxh3_64()
+    with pa.memory_map(path, "r") as source:
+        source.seek(IPC_FILE_PREAMBLE if source.read(len(IPC_FILE_MAGIC)) == IPC_FILE_MAGIC else 0)
+        for message in pa.ipc.MessageReader.open_stream(source):
+            hasher.update(message.metadata)
+    return f"arrow-ipc-metadata-xxh3_64:{hasher.hexdigest()}"
 
 
 def _read_batches(path: str, kind: str) -> list[pa.RecordBatch]:
     """Record batches of an Arrow IPC file (file or streaming format), memory-mapped."""
-    try:
+    with reading(f"{kind}: cannot open {path!r}"):
         source = pa.memory_map(path, "r")
-    except (pa.ArrowException, OSError) as error:
-        raise SourceError(f"{kind}: cannot open {path!r}: {error}") from error
-    try:
-        reader = pa.ipc.open_file(source)
+    with reading(f"{kind}: {path!r} is neither an Arrow IPC file nor an Arrow IPC stream"):
+        try:
+            reader = pa.ipc.open_file(source)
+        except pa.ArrowInvalid:
+            source.seek(0)
+            return list(pa.ipc.open_stream(source))
         return [reader.get_batch(i) for i in range(reader.num_record_batches)]
-    except pa.ArrowInvalid:
-        pass
-    try:
-        source.seek(0)
-        return list(pa.ipc.open_stream(source))
-    except (pa.ArrowException, OSError) as error:
-        raise SourceError(f"{kind}: {path!r} is neither an Arrow IPC file nor an Arrow IPC stream: {error}") from error
 
 
 def _offsets(counts: Sequence[int]) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(np.asarray(counts, dtype=np.int64))]).astype(np.int64)
 
 
-class ArrowSource(Source[dict[str, Any]]):
+class ArrowSource(FileSource[dict[str, Any]]):
     """Rows (as dicts) of one or more Arrow IPC files, in file order then row order.
 
     Both IPC formats are read through memory maps. Missing files, globs that match nothing,
     files that are not Arrow IPC and a total of zero rows raise ``SourceError`` at
-    construction. The state holds each file's name, size and mtime: resuming over changed
-    files is a ``StateError``. Pickles without memory maps (reopened lazily).
+    construction. The state holds each file's name, size, mtime and IPC metadata digest:
+    resuming over changed files is a ``StateError``. Pickles without memory maps (reopened
+    lazily).
     """
 
     def __init__(self, paths: Paths) -> None:
         super().__init__()
         self.paths = expand_paths(paths, self.kind)
-        self._fingerprints = [fingerprint(p) for p in self.paths]
-        batches = self._open()
+        per_file = [_read_batches(path, self.kind) for path in self.paths]
+        self._files = WatchedFiles.of(self.kind, self.paths, ipc_digest)
+        self._batch_file = [file for file, batches in enumerate(per_file) for _ in batches]
+        self._batch_local = [local for batches in per_file for local in range(len(batches))]
+        batches = [batch for batches in per_file for batch in batches]
         self._batch_starts = _offsets([batch.num_rows for batch in batches])
         self._total = int(self._batch_starts[-1])
         if self._total == 0:
             raise SourceError(f"{self.kind}: no rows in {', '.join(self.paths)} (empty files)")
         self._batches: list[pa.RecordBatch] | None = batches
-
-    def _open(self) -> list[pa.RecordBatch]:
-        batches: list[pa.RecordBatch] = []
-        for path in self.paths:
-            batches.extend(_read_batches(path, self.kind))
-        return batches
+        self._valid = [False] * len(batches)
 
     def __len__(self) -> int:
         return self._total
@@ -83,24 +95,24 @@ class ArrowSource(Source[dict[str, Any]]):
         dropped): the natural blocks of a block shuffle."""
         return np.unique(self._batch_starts)
 
-    # -- state --------------------------------------------------------------------------------
-
-    def _identity(self) -> dict[str, Any]:
-        return {FILES: self._fingerprints}
-
-    def _check_identity(self, state: dict[str, Any], path: str) -> None:
-        check_fingerprints(require(state, FILES, list, path), self._fingerprints, path)
-
     # -- reading ------------------------------------------------------------------------------
 
     def _batch(self, index: int) -> pa.RecordBatch:
+        """Record batch ``index`` (global numbering), validated on first use, after checking
+        that its file is unchanged: a file cut short under a memory map would crash the process
+        on reading (SIGBUS)."""
+        file = self._batch_file[index]
+        self._files.check(file)
         batches = self._batches
         if batches is None:  # reopened after pickling into a DataLoader worker
-            for path, expected in zip(self.paths, self._fingerprints):
-                if fingerprint(path)[1:] != expected[1:]:
-                    raise SourceError(f"{self.kind}: file {path!r} changed since the pipeline was built")
-            batches = self._batches = self._open()
-        return batches[index]
+            self._files.check_all()
+            batches = self._batches = [batch for path in self.paths for batch in _read_batches(path, self.kind)]
+        batch = batches[index]
+        if not self._valid[index]:  # memory-mapped batches are not validated on reading
+            with reading(f"{self.kind}: cannot read record batch {self._batch_local[index]} of {self.paths[file]!r}"):
+                batch.validate(full=True)  # offsets within bounds, valid UTF-8: what to_pylist trusts
+            self._valid[index] = True
+        return batch
 
     def _raw_range(self, start: int, count: int) -> Sequence[dict[str, Any]]:
         index = int(np.searchsorted(self._batch_starts, start, side="right")) - 1
@@ -114,10 +126,11 @@ class ArrowSource(Source[dict[str, Any]]):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_batches"] = None
+        state["_valid"] = [False] * len(self._valid)
         return state
 
 
-class HfSource(Source[dict[str, Any]]):
+class HfSource(FileSource[dict[str, Any]]):
     """Rows of a map-style Hugging Face ``datasets.Dataset``, read from its Arrow table.
 
     Record ``i`` equals ``dataset[i]`` with the dataset's format ignored (Python objects;
@@ -140,13 +153,13 @@ class HfSource(Source[dict[str, Any]]):
             )
         self.dataset = dataset
         self._fingerprint: str = str(dataset._fingerprint)
-        self._fingerprints: list[Fingerprint] = [
-            fingerprint(entry["filename"]) for entry in dataset.cache_files if os.path.exists(entry["filename"])
-        ]
+        cache_files = [entry["filename"] for entry in dataset.cache_files if os.path.exists(entry["filename"])]
+        self._files = WatchedFiles.of(self.kind, cache_files, ipc_digest)
         self._total = len(dataset)
         if self._total == 0:
             raise SourceError(f"{self.kind}: dataset {self._fingerprint} has no rows")
         self._batches: list[pa.RecordBatch] | None = None
+        self._valid: list[bool] = []
         self._rows: np.ndarray | None = None
         self._open_table()
         features = dataset.features
@@ -160,6 +173,7 @@ class HfSource(Source[dict[str, Any]]):
         """Record batches of the dataset's table and its indices mapping (zero-copy views)."""
         table: pa.Table = self.dataset.data.table
         self._batches = [batch for batch in table.to_batches() if batch.num_rows]
+        self._valid = [False] * len(self._batches)
         self._batch_starts = _offsets([batch.num_rows for batch in self._batches])
         mapping = self.dataset._indices
         self._rows = None if mapping is None else mapping.column(0).to_numpy().astype(np.int64, copy=False)
@@ -172,9 +186,6 @@ class HfSource(Source[dict[str, Any]]):
     def _config(self) -> dict[str, Any]:
         return {FINGERPRINT: self._fingerprint}
 
-    def _identity(self) -> dict[str, Any]:
-        return {FILES: self._fingerprints}
-
     def _check_config(self, state: dict[str, Any], path: str) -> None:
         saved = state.get(FINGERPRINT)
         if saved != self._fingerprint:
@@ -183,15 +194,18 @@ class HfSource(Source[dict[str, Any]]):
             )
         self._check_identity(state, path)
 
-    def _check_identity(self, state: dict[str, Any], path: str) -> None:
-        check_fingerprints(require(state, FILES, list, path), self._fingerprints, path)
-
     # -- reading ------------------------------------------------------------------------------
 
     def _batch(self, index: int) -> pa.RecordBatch:
+        """Record batch ``index`` of the dataset's table, validated on first use."""
         if self._batches is None:
             self._open_table()
-        return self._batches[index]  # type: ignore[index]
+        batch = self._batches[index]  # type: ignore[index]
+        if not self._valid[index]:
+            with reading(f"{self.kind}: cannot read record batch {index} of dataset {self._fingerprint}"):
+                batch.validate(full=True)
+            self._valid[index] = True
+        return batch
 
     def _table_rows(self, indices: np.ndarray) -> np.ndarray:
         if self._batches is None:
@@ -213,6 +227,11 @@ class HfSource(Source[dict[str, Any]]):
 
     def _decoder(self) -> Callable[[Any], Any] | None:
         return self._features_decode
+
+    def _decode_failed(self, raw: Any, index: int, error: Exception, may_skip: bool) -> None:
+        raise SourceError(
+            f"{self.kind}: cannot decode row {index} of dataset {self._fingerprint}: {type(error).__name__}: {error}"
+        ) from error
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

@@ -1,15 +1,47 @@
-"""File lists: expand paths and globs into a sorted, validated list of files."""
+"""Files of a source: expanding paths and globs, fingerprints, and the checks that a file is still
+the one a pipeline was built on (during a run) and the one a state was taken over (on restore).
+
+A fingerprint is ``[path, size, mtime_ns, digest]``. The digest is a cheap content digest where
+the format has one (``None`` where it has not): it lets a file whose mtime changed but whose
+content did not (``touch``, a ``cp`` without ``-p``) still restore. States saved before digests
+existed hold ``[path, size, mtime_ns]`` and still load when size and mtime match.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
-from typing import Any, Sequence, Union
+import zlib
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
+
+import pyarrow as pa
 
 from resumable.errors import SourceError, StateError
 
 PathLike = Union[str, "os.PathLike[str]"]
 Paths = Union[PathLike, Sequence[PathLike]]
+
+FILES = "files"
+"""State key of a source's fingerprints."""
+
+Fingerprint = list  # [path, size, mtime_ns, digest or None], JSON-friendly
+Digest = Callable[[str], Optional[str]]
+"""The content digest of the file at a path, or None where the format has no cheap one."""
+
+NAME, SIZE, MTIME_NS, DIGEST = range(4)
+"""Positions of a fingerprint's entries."""
+LEGACY_FINGERPRINT_LENGTH = 3
+"""``[path, size, mtime_ns]``: the fingerprints of states saved before content digests."""
+
+READ_ERRORS = (OSError, EOFError, zlib.error, pa.ArrowException, UnicodeDecodeError)
+"""What reading a data file can raise (I/O, truncated or corrupt compression, corrupt Arrow or
+Parquet data, invalid UTF-8); ``reading`` turns them into ``SourceError``."""
+
+REMEDY = (
+    "restore the file's content (the last state saved before the change resumes over it), or start "
+    "a new run over the new data by building the pipeline without restoring a state"
+)
 
 
 def expand_paths(paths: Paths, kind: str) -> list[str]:
@@ -37,28 +69,159 @@ def expand_paths(paths: Paths, kind: str) -> list[str]:
     return files
 
 
-Fingerprint = list  # [path, size, mtime_ns], JSON-friendly
+def read_error(where: str, error: BaseException) -> SourceError:
+    """The ``SourceError`` for ``error`` (one of ``READ_ERRORS``), prefixed by ``where``: what
+    could not be read, naming the file and the line, row group or batch where known."""
+    return SourceError(f"{where}: {type(error).__name__}: {error}")
 
 
-def fingerprint(path: str) -> Fingerprint:
-    """``[path, size, mtime_ns]``: identifies a file's content cheaply."""
-    info = os.stat(path)
-    return [path, info.st_size, info.st_mtime_ns]
+@contextlib.contextmanager
+def reading(where: str) -> Iterator[None]:
+    """Turn an I/O or format error raised while reading a data file into ``read_error``."""
+    try:
+        yield
+    except READ_ERRORS as error:
+        raise read_error(where, error) from error
 
 
-def check_fingerprints(saved: Any, current: list[Fingerprint], path: str) -> None:
-    """Reject a state saved over other files. Names, sizes and mtimes must match; directories
-    may differ, so a job that stages its data into a per-job directory still resumes."""
-    if not isinstance(saved, list) or len(saved) != len(current):
-        count = len(saved) if isinstance(saved, list) else saved
-        raise StateError(f"{path}: state was saved over {count} files, this source has {len(current)}")
-    for saved_file, (name, size, mtime_ns) in zip(saved, current):
-        if not (isinstance(saved_file, list) and len(saved_file) == 3 and isinstance(saved_file[0], str)):
-            raise StateError(f"{path}: malformed file fingerprint {saved_file!r}")
-        if os.path.basename(saved_file[0]) != os.path.basename(name):
-            raise StateError(f"{path}: state was saved over file {saved_file[0]!r} where this source has {name!r}")
-        if (saved_file[1], saved_file[2]) != (size, mtime_ns):
-            raise StateError(
-                f"{path}: file {name!r} changed since the state was saved "
-                f"(size {saved_file[1]} -> {size}, mtime_ns {saved_file[2]} -> {mtime_ns})"
+def stat(path: str, kind: str) -> os.stat_result:
+    """``os.stat(path)``, or ``SourceError`` naming the file when it is gone or unreadable."""
+    try:
+        return os.stat(path)
+    except OSError as error:
+        raise SourceError(f"{kind}: cannot stat {path!r}: {error}") from error
+
+
+def fingerprint(path: str, digest: Digest, kind: str) -> Fingerprint:
+    """``[path, size, mtime_ns, digest]`` of the file at ``path``."""
+    info = stat(path, kind)
+    with reading(f"{kind}: cannot read {path!r}"):
+        content = digest(path)
+    return [path, info.st_size, info.st_mtime_ns, content]
+
+
+def no_digest(path: str) -> None:
+    """The digest of formats that have no cheap one: a changed mtime cannot be excused."""
+    return None
+
+
+class WatchedFiles:
+    """The files a source reads, fingerprinted when the pipeline was built, and the checks that
+    they stay those files.
+
+    * ``check_state``: on restore, each file must be the one the state was taken over: same name,
+      size and mtime, or same size and content digest (``StateError`` otherwise).
+    * ``watch`` (every ``get_state``: one file, round robin, a ``stat``), ``check_all`` (every
+      epoch start) and ``check`` (before reading a file): a file that changed during the run is
+      a ``SourceError``. A changed mtime alone is accepted when the digest still matches, and
+      the new mtime is recorded so that the digest is computed once per change.
+    """
+
+    def __init__(self, kind: str, fingerprints: list[Fingerprint], digest: Digest) -> None:
+        self.kind = kind
+        self.fingerprints = fingerprints
+        self._digest = digest
+        self._next_watched = 0
+
+    @classmethod
+    def of(cls, kind: str, paths: Sequence[str], digest: Digest) -> WatchedFiles:
+        """Fingerprint ``paths`` now."""
+        return cls(kind, [fingerprint(path, digest, kind) for path in paths], digest)
+
+    def __len__(self) -> int:
+        return len(self.fingerprints)
+
+    def size(self, file: int) -> int:
+        """The size of file ``file`` when the pipeline was built."""
+        return int(self.fingerprints[file][SIZE])
+
+    # -- during the run: SourceError ------------------------------------------------------------
+
+    def watch(self) -> list[Fingerprint]:
+        """Check one file (round robin) and return the fingerprints, for a state."""
+        if self.fingerprints:
+            file = self._next_watched
+            self._next_watched = (file + 1) % len(self.fingerprints)
+            self.check(file)
+        return self.fingerprints
+
+    def check_all(self) -> None:
+        """Check every file (at an epoch start)."""
+        for file in range(len(self.fingerprints)):
+            self.check(file)
+
+    def check(self, file: int) -> None:
+        """Raise ``SourceError`` if file ``file`` changed since the pipeline was built."""
+        recorded = self.fingerprints[file]
+        path = recorded[NAME]
+        info = stat(path, self.kind)
+        self.confirm(file, info.st_size, info.st_mtime_ns, lambda: self._digest(path))
+
+    def confirm(self, file: int, size: int, mtime_ns: int, digest: Callable[[], str | None]) -> None:
+        """Raise ``SourceError`` unless ``size``, ``mtime_ns`` (and, when only the mtime differs,
+        ``digest()``) describe the file ``file`` the pipeline was built on."""
+        recorded = self.fingerprints[file]
+        if size == recorded[SIZE] and mtime_ns == recorded[MTIME_NS]:
+            return
+        if size != recorded[SIZE]:
+            change = f"its size went from {recorded[SIZE]} to {size} bytes"
+        else:
+            with reading(f"{self.kind}: cannot read {recorded[NAME]!r}"):
+                current = digest()
+            if recorded[DIGEST] is not None and current == recorded[DIGEST]:
+                self._record_mtime(file, mtime_ns)
+                return
+            change = f"its mtime went from {recorded[MTIME_NS]} to {mtime_ns} ns and " + (
+                "its content differs" if recorded[DIGEST] is not None else "this format has no content digest"
             )
+        raise SourceError(f"{self.kind}: file {recorded[NAME]!r} changed during the run ({change}); {REMEDY}")
+
+    def _record_mtime(self, file: int, mtime_ns: int) -> None:
+        """Accept a new mtime for unchanged content. Copy on write: states already handed out
+        keep the list they were given."""
+        fingerprints = list(self.fingerprints)
+        fingerprints[file] = [*fingerprints[file][:MTIME_NS], mtime_ns, *fingerprints[file][MTIME_NS + 1 :]]
+        self.fingerprints = fingerprints
+
+    # -- on restore: StateError -----------------------------------------------------------------
+
+    def check_state(self, saved: Any, path: str) -> None:
+        """Reject a state saved over other files. Names must match (directories may differ, so
+        a job that stages its data into a per-job directory still resumes), and so must sizes;
+        mtimes too, unless both fingerprints hold the same content digest."""
+        current = self.fingerprints
+        if not isinstance(saved, list) or len(saved) != len(current):
+            count = len(saved) if isinstance(saved, list) else saved
+            raise StateError(f"{path}: state was saved over {count} files, this source has {len(current)}")
+        for saved_file, now in zip(saved, current):
+            old = _parse(saved_file, path)
+            if os.path.basename(old[NAME]) != os.path.basename(now[NAME]):
+                raise StateError(f"{path}: state was saved over file {old[NAME]!r} where this source has {now[NAME]!r}")
+            same_digest = old[DIGEST] is not None and old[DIGEST] == now[DIGEST]
+            known_other = old[DIGEST] is not None and now[DIGEST] is not None and not same_digest
+            if old[SIZE] == now[SIZE] and not known_other and (old[MTIME_NS] == now[MTIME_NS] or same_digest):
+                continue
+            if old[SIZE] != now[SIZE]:
+                change = f"size {old[SIZE]} -> {now[SIZE]} bytes"
+            elif known_other:
+                change = "same size, other content digest"
+            else:
+                change = f"same size, mtime_ns {old[MTIME_NS]} -> {now[MTIME_NS]} and no content digest to compare"
+            raise StateError(
+                f"{path}: file {now[NAME]!r} differs from the file the state was taken over ({change}); "
+                "restore that file (cp -p and rsync -a keep mtimes), or build the pipeline over the new data "
+                "without restoring this state"
+            )
+
+
+def _parse(saved: Any, path: str) -> Fingerprint:
+    """A saved fingerprint as ``[path, size, mtime_ns, digest]``; StateError if malformed."""
+    if (
+        isinstance(saved, list)
+        and len(saved) in (LEGACY_FINGERPRINT_LENGTH, DIGEST + 1)
+        and isinstance(saved[NAME], str)
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in saved[SIZE : MTIME_NS + 1])
+        and (len(saved) == LEGACY_FINGERPRINT_LENGTH or saved[DIGEST] is None or isinstance(saved[DIGEST], str))
+    ):
+        return saved if len(saved) > LEGACY_FINGERPRINT_LENGTH else [*saved, None]
+    raise StateError(f"{path}: malformed file fingerprint {saved!r}")

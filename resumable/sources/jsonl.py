@@ -15,14 +15,12 @@ import numpy as np
 import orjson
 
 from resumable.errors import ConfigError, SourceError
-from resumable.sources.files import Paths, check_fingerprints, expand_paths
-from resumable.sources.line_index import LineIndex
-from resumable.sources.source import Source
-from resumable.state import require
+from resumable.sources.files import Paths, WatchedFiles, expand_paths, reading
+from resumable.sources.line_index import LineIndex, content_digest_in
+from resumable.sources.source import FileSource
 
 logger = logging.getLogger("resumable")
 
-FILES = "files"
 ON_ERROR = "on_error"
 ON_ERROR_CHOICES = ("raise", "skip")
 
@@ -33,12 +31,13 @@ LOGGED_SKIPS = 10
 BLOCK_BYTES = 4 << 20
 
 
-class JsonlSource(Source[Any]):
+class JsonlSource(FileSource[Any]):
     """Records (one JSON value per non-blank line) of one or more JSONL files.
 
     Blank lines are not records. A malformed line raises ``SourceError`` naming the file and
     line, or with ``on_error="skip"`` is skipped, counted in ``stats`` and logged. The state
-    holds each file's name, size and mtime: resuming on changed files is a ``StateError``.
+    holds each file's name, size, mtime and content digest (from its line index): resuming on
+    changed files is a ``StateError``, a file changed during the run a ``SourceError``.
     """
 
     def __init__(self, paths: Paths, on_error: str = "raise", cache_dir: str | None = None) -> None:
@@ -48,8 +47,13 @@ class JsonlSource(Source[Any]):
         self.paths = expand_paths(paths, self.kind)
         self.on_error = on_error
         self.cache_dir = cache_dir
-        self._indices: list[LineIndex | None] = [LineIndex.open(p, cache_dir=cache_dir) for p in self.paths]
-        self._fingerprints = [[p, index.size, index.mtime_ns] for p, index in zip(self.paths, self._live_indices())]
+        indices = [LineIndex.open(p, cache_dir=cache_dir) for p in self.paths]
+        self._indices: list[LineIndex | None] = list(indices)
+        self._files = WatchedFiles(
+            self.kind,
+            [[p, index.size, index.mtime_ns, index.content_digest] for p, index in zip(self.paths, indices)],
+            content_digest_in(cache_dir),
+        )
         counts = [index.num_records for index in self._live_indices()]
         self._offsets = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
         self._total = int(self._offsets[-1])
@@ -80,28 +84,23 @@ class JsonlSource(Source[Any]):
     def _config(self) -> dict[str, Any]:
         return {ON_ERROR: self.on_error}
 
-    def _identity(self) -> dict[str, Any]:
-        return {FILES: self._fingerprints}
-
-    def _check_identity(self, state: dict[str, Any], path: str) -> None:
-        check_fingerprints(require(state, FILES, list, path), self._fingerprints, path)
-
     # -- reading ------------------------------------------------------------------------------
 
     def _index(self, file: int) -> LineIndex:
         index = self._indices[file]
         if index is None:  # reopened after pickling into a DataLoader worker
-            index = LineIndex.open(self.paths[file], cache_dir=self.cache_dir)
-            expected = self._fingerprints[file]
-            if (index.size, index.mtime_ns) != (expected[1], expected[2]):
-                raise SourceError(f"{self.kind}: file {self.paths[file]!r} changed since the pipeline was built")
-            self._indices[file] = index
+            opened = LineIndex.open(self.paths[file], cache_dir=self.cache_dir)
+            self._files.confirm(file, opened.size, opened.mtime_ns, lambda: opened.content_digest)
+            index = self._indices[file] = opened
         return index
 
     def _map(self, file: int) -> mmap.mmap:
+        """The memory map of file ``file``, after checking that the file is unchanged: a file
+        cut short under a memory map would crash the process on reading (SIGBUS)."""
+        self._files.check(file)
         mapped = self._maps[file]
         if mapped is None:
-            with open(self.paths[file], "rb") as handle:
+            with reading(f"{self.kind}: cannot read {self.paths[file]!r}"), open(self.paths[file], "rb") as handle:
                 mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
             self._maps[file] = mapped
         return mapped
@@ -113,12 +112,12 @@ class JsonlSource(Source[Any]):
 
     def _raw_range(self, start: int, count: int) -> Sequence[bytes]:
         file, first = self._locate(start)
-        starts = self._index(file).starts
-        stop = min(first + count, len(starts) - 1)
-        byte_limit = int(starts[first]) + BLOCK_BYTES
-        stop = first + max(1, int(np.searchsorted(starts[first + 1 : stop + 1], byte_limit, side="right")))
-        bounds = starts[first : stop + 1].tolist()
         mapped = self._map(file)
+        index = self._index(file)
+        span = index.offsets(first, min(first + count, index.num_records) + 1)
+        byte_limit = int(span[0]) + BLOCK_BYTES
+        end = max(1, int(np.searchsorted(span[1:], byte_limit, side="right")))
+        bounds = span[: end + 1].tolist()
         return [mapped[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
     def _raw_at(self, indices: np.ndarray) -> Sequence[bytes]:
@@ -133,9 +132,10 @@ class JsonlSource(Source[Any]):
         return out
 
     def _slices(self, file: int, local: np.ndarray) -> list[bytes]:
-        starts = self._index(file).starts
         mapped = self._map(file)
-        return [mapped[a:b] for a, b in zip(starts[local].tolist(), starts[local + 1].tolist())]
+        index = self._index(file)
+        starts, ends = index.offsets_at(local).tolist(), index.offsets_at(local + 1).tolist()
+        return [mapped[a:b] for a, b in zip(starts, ends)]
 
     def _decoder(self) -> Callable[[Any], Any]:
         return orjson.loads

@@ -3,11 +3,18 @@
 A record is a non-blank line. The index is built once with numpy at disk speed and kept in a
 sidecar file keyed by the data file's size and mtime, so a source reaches any record with one
 seek instead of rescanning the file on every run, and reloading the index costs O(1) (memmap).
+Building it also computes a digest of the file's content (it reads every byte anyway), which
+lets a file whose mtime changed but whose content did not be recognised as the same file.
+
+A sidecar is never trusted blindly: its header carries a checksum, and every block of
+``BLOCK_ENTRIES`` offsets has its own, verified the first time the block is used (so opening
+stays O(1) however large the index). A sidecar that fails a check is rebuilt, with a warning.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import io
 import operator
@@ -16,14 +23,15 @@ import stat
 import struct
 import tempfile
 import warnings
-import zlib
 from collections.abc import Callable
 from typing import SupportsIndex
 
 import numpy as np
 import numpy.typing as npt
+import xxhash
 
 from resumable.errors import ConfigError, SourceError
+from resumable.sources.files import REMEDY, reading
 
 Progress = Callable[[int], None]
 """Called with the number of bytes processed since the previous call (e.g. ``tqdm.update``)."""
@@ -53,19 +61,33 @@ CACHE_HASH_CHARS = 16
 SIDECAR_MODE = 0o644
 
 SIDECAR_MAGIC = b"RSLNIDX\x00"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""Version 2 added the content digest and the per-block checksums; older sidecars are rebuilt."""
 FLAG_HAS_BOM = 1
-HEADER = struct.Struct("<8sIIQqQQI4x")
+HEADER = struct.Struct("<8sIIQqQQQQ")
 """Sidecar header: magic, format version, flags, data size, data mtime_ns, num_records,
-blank_lines, CRC-32 of the preceding header bytes, padding to a multiple of 8."""
-HEADER_CRC_SPAN = HEADER.size - 8
-"""Header bytes covered by the CRC: every field before the CRC itself."""
+blank_lines, content digest of the data file, checksum of the preceding header bytes."""
+HEADER_CHECKSUM_SPAN = HEADER.size - 8
+"""Header bytes covered by the header checksum: every field before it."""
 OFFSET_DTYPE = np.dtype("<u8")
 """On-disk dtype of ``starts``; equal to ``np.uint64`` on little-endian machines."""
+CHECKSUM_DTYPE = np.dtype("<u8")
+"""On-disk dtype of the block checksums, stored after ``starts``."""
+BLOCK_ENTRIES = 1024
+"""Offsets per checksummed block (8 KiB): verifying one costs about a microsecond, so a resume
+or a random read pays almost nothing, and the checksums add 0.1% to the sidecar."""
+CONTENT_DIGEST = "jsonl-content-xxh3_64"
+"""Names the content digest in a fingerprint: XXH3-64 of every byte of the data file."""
+
+
+def checksum(data: bytes | memoryview) -> int:
+    """XXH3-64 of a contiguous buffer: the sidecar header, or a block of offsets."""
+    return xxhash.xxh3_64_intdigest(data)
 
 
 class SidecarWarning(UserWarning):
-    """No sidecar location was writable: the index lives in memory and is rebuilt next time."""
+    """A sidecar could not be used: none was writable (the index lives in memory and is rebuilt
+    next time), or one was corrupt (it was rebuilt)."""
 
 
 class LineIndex:
@@ -74,6 +96,7 @@ class LineIndex:
     ``starts`` has ``num_records + 1`` entries; record ``i`` is ``data[starts[i]:starts[i+1]]``,
     which includes its newline and any blank lines after it (JSON whitespace), and the last
     entry is the file size. Blank lines before the first record and a UTF-8 BOM are skipped.
+    Readers go through ``offsets`` and ``offsets_at``, which verify a loaded sidecar's blocks.
     """
 
     def __init__(
@@ -84,8 +107,10 @@ class LineIndex:
         mtime_ns: int,
         blank_lines: int,
         has_bom: bool,
+        content: int,
         starts: npt.NDArray[np.uint64],
         sidecar: str | None,
+        block_checksums: npt.NDArray[np.uint64] | None = None,
     ) -> None:
         self.path = path
         self.size = size
@@ -93,8 +118,10 @@ class LineIndex:
         self.num_records = len(starts) - 1
         self.blank_lines = blank_lines
         self.has_bom = has_bom
+        self.content = content
         self.starts = starts
         self.sidecar = sidecar
+        self._trust(block_checksums)
 
     def __len__(self) -> int:
         return self.num_records
@@ -104,6 +131,11 @@ class LineIndex:
             f"LineIndex(path={self.path!r}, num_records={self.num_records}, "
             f"blank_lines={self.blank_lines}, has_bom={self.has_bom}, sidecar={self.sidecar!r})"
         )
+
+    @property
+    def content_digest(self) -> str:
+        """The data file's content digest as a fingerprint holds it."""
+        return f"{CONTENT_DIGEST}:{self.content:016x}"
 
     @classmethod
     def open(cls, path: str, cache_dir: str | None = None, progress: Progress | None = None) -> LineIndex:
@@ -123,18 +155,11 @@ class LineIndex:
         built = cls.build(path, progress)
         for sidecar in sidecars:
             try:
-                starts = _write_sidecar(sidecar, built)
+                built.starts = _write_sidecar(sidecar, built)
             except OSError:
                 continue
-            return cls(
-                path=path,
-                size=built.size,
-                mtime_ns=built.mtime_ns,
-                blank_lines=built.blank_lines,
-                has_bom=built.has_bom,
-                starts=starts,
-                sidecar=sidecar,
-            )
+            built.sidecar = sidecar
+            return built
         warnings.warn(
             f"cannot write a line index for {path!r} next to it nor in {os.path.dirname(sidecars[1])!r}; "
             "keeping it in memory (it will be rebuilt next time)",
@@ -154,12 +179,15 @@ class LineIndex:
         chunk = CHUNK_SIZE if chunk_size is None else chunk_size
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
             raise ConfigError(f"chunk_size must be a positive int, got {chunk_size!r}")
-        with _open_data(path) as data:
+        content = xxhash.xxh3_64()
+        with _open_data(path) as data, reading(f"cannot read data file {path!r}"):
             before = os.fstat(data.fileno())
             _check_regular(path, before)
             size = before.st_size
             has_bom = size >= len(UTF8_BOM) and data.read(len(UTF8_BOM)) == UTF8_BOM
             position = len(UTF8_BOM) if has_bom else 0
+            if has_bom:
+                content.update(UTF8_BOM)
             data.seek(position)
             buffer = bytearray(chunk)
             view = memoryview(buffer)
@@ -172,6 +200,7 @@ class LineIndex:
                 if not n:
                     raise SourceError(f"data file {path!r} shrank while being indexed")
                 scanner.feed(array[:n], is_newline, position)
+                content.update(view[:n])
                 position += n
                 if progress is not None:
                     progress(position - reported)
@@ -188,63 +217,165 @@ class LineIndex:
             mtime_ns=before.st_mtime_ns,
             blank_lines=scanner.blank_lines,
             has_bom=has_bom,
+            content=content.intdigest(),
             starts=starts,
             sidecar=None,
         )
+
+    # -- verified reads -------------------------------------------------------------------------
+
+    def offsets(self, first: int, stop: int) -> npt.NDArray[np.uint64]:
+        """``starts[first:stop]``, its blocks verified."""
+        if self._unverified and stop > first:
+            entries = self._block_entries
+            self._verify(np.arange(first // entries, (stop - 1) // entries + 1))
+        return self.starts[first:stop]
+
+    def offsets_at(self, entries: npt.NDArray[np.int64]) -> npt.NDArray[np.uint64]:
+        """``starts[entries]``, their blocks verified."""
+        if self._unverified:
+            self._verify(entries // self._block_entries)
+        return self.starts[entries]
+
+    def _trust(self, block_checksums: npt.NDArray[np.uint64] | None) -> None:
+        """Verify blocks against ``block_checksums`` before use; None: every block is trusted
+        (an index built or written by this process)."""
+        self._block_checksums = block_checksums
+        self._block_entries = BLOCK_ENTRIES
+        blocks = 0 if block_checksums is None else len(block_checksums)
+        self._verified = np.zeros(blocks, dtype=np.bool_)
+        self._unverified = blocks
+
+    def _verify(self, blocks: npt.NDArray[np.int64]) -> None:
+        """Check each not yet verified block among ``blocks`` once: its checksum, increasing
+        offsets within the file. A block that fails has the index rebuilt."""
+        pending = blocks[~self._verified[blocks]]
+        checksums = self._block_checksums
+        if pending.size == 0 or checksums is None:
+            return
+        entries = self._block_entries
+        low = len(UTF8_BOM) if self.has_bom else 0
+        for block in np.unique(pending).tolist():
+            values = self.starts[block * entries : (block + 1) * entries]
+            if checksum(values.data) != int(checksums[block]):
+                self._rebuild(f"block {block} of its offsets fails its checksum")
+                return
+            if not ((values[1:] > values[:-1]).all() and low <= int(values[0]) <= int(values[-1]) <= self.size):
+                self._rebuild(f"block {block} holds offsets out of order or outside the data file")
+                return
+            self._verified[block] = True
+            self._unverified -= 1
+
+    def _rebuild(self, reason: str) -> None:
+        """Replace a corrupt sidecar's offsets by a fresh build of the same data file."""
+        _warn_corrupt(self.sidecar, self.path, reason)
+        built = LineIndex.build(self.path)
+        if (built.size, built.mtime_ns, built.num_records, built.content) != (
+            self.size,
+            self.mtime_ns,
+            self.num_records,
+            self.content,
+        ):
+            raise SourceError(
+                f"data file {self.path!r} changed during the run (found while rebuilding its corrupt line index); "
+                f"{REMEDY}"
+            )
+        if self.sidecar is not None:
+            with contextlib.suppress(OSError):
+                built.starts = _write_sidecar(self.sidecar, built)
+        self.starts = built.starts
+        self._trust(None)
 
     def line_number(self, record: SupportsIndex) -> int:
         """The 1-based line of ``record`` in the file, for error messages (reads up to the record)."""
         index = operator.index(record)
         if not 0 <= index < self.num_records:
             raise IndexError(f"record {index} out of range: {self.path!r} has {self.num_records} records")
-        remaining = int(self.starts[index])
+        remaining = int(self.offsets(index, index + 1)[0])
         newlines = 0
-        try:
-            with open(self.path, "rb") as data:
-                while remaining > 0:
-                    block = data.read(min(CHUNK_SIZE, remaining))
-                    if not block:
-                        break
-                    newlines += block.count(b"\n")
-                    remaining -= len(block)
-        except OSError as error:
-            raise SourceError(f"cannot read data file {self.path!r}: {error}") from error
+        with reading(f"cannot read data file {self.path!r}"), open(self.path, "rb") as data:
+            while remaining > 0:
+                block = data.read(min(CHUNK_SIZE, remaining))
+                if not block:
+                    break
+                newlines += block.count(b"\n")
+                remaining -= len(block)
         return newlines + 1
 
     @classmethod
     def _load(cls, path: str, sidecar: str, size: int, mtime_ns: int) -> LineIndex | None:
-        """The index stored in ``sidecar`` if it is intact and keyed on (size, mtime_ns), else None."""
+        """The index stored in ``sidecar`` if it is intact and keyed on (size, mtime_ns), else None.
+
+        A missing, stale (other size or mtime) or older-format sidecar is silently replaced;
+        one that fails a check is replaced with a ``SidecarWarning``."""
         try:
-            with open(sidecar, "rb") as stored:
-                header = stored.read(HEADER.size)
-                if len(header) != HEADER.size:
-                    return None
-                magic, version, flags, key_size, key_mtime, num_records, blank_lines, crc = HEADER.unpack(header)
-                if (
-                    magic != SIDECAR_MAGIC
-                    or version != FORMAT_VERSION
-                    or crc != zlib.crc32(header[:HEADER_CRC_SPAN])
-                    or flags & ~FLAG_HAS_BOM
-                    or (key_size, key_mtime) != (size, mtime_ns)
-                    or os.fstat(stored.fileno()).st_size != HEADER.size + OFFSET_DTYPE.itemsize * (num_records + 1)
-                ):
-                    return None
-                starts = np.memmap(stored, dtype=OFFSET_DTYPE, mode="r", offset=HEADER.size, shape=(num_records + 1,))
+            return cls._read_sidecar(path, sidecar, size, mtime_ns)
+        except _CorruptSidecar as corrupt:
+            _warn_corrupt(sidecar, path, str(corrupt))
         except (OSError, ValueError):
-            return None
+            pass
+        return None
+
+    @classmethod
+    def _read_sidecar(cls, path: str, sidecar: str, size: int, mtime_ns: int) -> LineIndex | None:
+        """``_load`` without the fallbacks: None when stale or of another format version,
+        ``_CorruptSidecar`` when a check fails."""
+        with open(sidecar, "rb") as stored:
+            header = stored.read(HEADER.size)
+            stored_size = os.fstat(stored.fileno()).st_size
+            version = header[len(SIDECAR_MAGIC) : len(SIDECAR_MAGIC) + 4]
+            if len(version) < 4 or header[: len(SIDECAR_MAGIC)] != SIDECAR_MAGIC:
+                raise _CorruptSidecar("no line index header")
+            if int.from_bytes(version, "little") != FORMAT_VERSION:
+                return None
+            if len(header) != HEADER.size or checksum(header[:HEADER_CHECKSUM_SPAN]) != HEADER.unpack(header)[-1]:
+                raise _CorruptSidecar("its header fails its checksum")
+            _, _, flags, key_size, key_mtime, num_records, blank_lines, content, _ = HEADER.unpack(header)
+            if (key_size, key_mtime) != (size, mtime_ns):
+                return None
+            entries = num_records + 1
+            blocks = -(-entries // BLOCK_ENTRIES)
+            expected = HEADER.size + OFFSET_DTYPE.itemsize * entries + CHECKSUM_DTYPE.itemsize * blocks
+            if flags & ~FLAG_HAS_BOM or stored_size != expected:
+                raise _CorruptSidecar(f"{stored_size} bytes where its header implies {expected}")
+            starts = np.memmap(stored, dtype=OFFSET_DTYPE, mode="r", offset=HEADER.size, shape=(entries,))
+            block_checksums = np.memmap(
+                stored, dtype=CHECKSUM_DTYPE, mode="r", offset=HEADER.size + starts.nbytes, shape=(blocks,)
+            )
         has_bom = bool(flags & FLAG_HAS_BOM)
         first_allowed = len(UTF8_BOM) if has_bom else 0
         if int(starts[-1]) != size or not first_allowed <= int(starts[0]) <= size:
-            return None
+            raise _CorruptSidecar("its first or last offset lies outside the data file")
         return cls(
             path=path,
             size=size,
             mtime_ns=mtime_ns,
             blank_lines=blank_lines,
             has_bom=has_bom,
+            content=content,
             starts=starts,
             sidecar=sidecar,
+            block_checksums=block_checksums,
         )
+
+
+class _CorruptSidecar(Exception):
+    """A sidecar failed a check; the message says which."""
+
+
+def content_digest(path: str, cache_dir: str | None = None) -> str:
+    """The content digest of the JSONL file at ``path``, from its line index (built if stale)."""
+    return LineIndex.open(path, cache_dir=cache_dir).content_digest
+
+
+def content_digest_in(cache_dir: str | None) -> Callable[[str], str]:
+    """``content_digest`` with sidecars falling back to ``cache_dir`` (picklable)."""
+    return functools.partial(content_digest, cache_dir=cache_dir)
+
+
+def _warn_corrupt(sidecar: str | None, path: str, reason: str) -> None:
+    """Say that the line index ``sidecar`` of ``path`` is corrupt and will be rebuilt."""
+    warnings.warn(f"line index {sidecar!r} of {path!r} is corrupt ({reason}); rebuilding it", SidecarWarning, 4)
 
 
 class _Scanner:
@@ -364,11 +495,28 @@ def _create_temp(directory: str, name: str) -> tuple[int, str]:
 
 
 def _pack_header(index: LineIndex) -> bytes:
-    """The sidecar header of ``index``, CRC included."""
+    """The sidecar header of ``index``, checksum included."""
     flags = FLAG_HAS_BOM if index.has_bom else 0
-    fields = (SIDECAR_MAGIC, FORMAT_VERSION, flags, index.size, index.mtime_ns, index.num_records, index.blank_lines)
+    fields = (
+        SIDECAR_MAGIC,
+        FORMAT_VERSION,
+        flags,
+        index.size,
+        index.mtime_ns,
+        index.num_records,
+        index.blank_lines,
+        index.content,
+    )
     unsigned = HEADER.pack(*fields, 0)
-    return HEADER.pack(*fields, zlib.crc32(unsigned[:HEADER_CRC_SPAN]))
+    return HEADER.pack(*fields, checksum(unsigned[:HEADER_CHECKSUM_SPAN]))
+
+
+def _block_checksums(starts: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    """The checksum of every block of ``BLOCK_ENTRIES`` offsets (the last one may be shorter)."""
+    return np.array(
+        [checksum(starts[first : first + BLOCK_ENTRIES].data) for first in range(0, len(starts), BLOCK_ENTRIES)],
+        dtype=CHECKSUM_DTYPE,
+    )
 
 
 def _write_sidecar(sidecar: str, index: LineIndex) -> np.memmap:
@@ -379,17 +527,19 @@ def _write_sidecar(sidecar: str, index: LineIndex) -> np.memmap:
     directory = os.path.dirname(sidecar) or os.curdir
     os.makedirs(directory, exist_ok=True)
     fd, temp = _create_temp(directory, os.path.basename(sidecar))
+    starts = np.ascontiguousarray(index.starts, dtype=OFFSET_DTYPE)
     try:
         with os.fdopen(fd, "w+b") as stored:
             stored.write(_pack_header(index))
-            stored.write(np.ascontiguousarray(index.starts, dtype=OFFSET_DTYPE).view(np.uint8).data)
+            stored.write(starts.view(np.uint8).data)
+            stored.write(_block_checksums(starts).view(np.uint8).data)
             stored.flush()
             os.fsync(stored.fileno())
-            starts = np.memmap(stored, dtype=OFFSET_DTYPE, mode="r", offset=HEADER.size, shape=(index.num_records + 1,))
+            mapped = np.memmap(stored, dtype=OFFSET_DTYPE, mode="r", offset=HEADER.size, shape=starts.shape)
         os.chmod(temp, SIDECAR_MODE)
         os.replace(temp, sidecar)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(temp)
         raise
-    return starts
+    return mapped

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from typing import Any, Sequence, TypeVar
 
 import numpy as np
 
+from resumable.errors import ConfigError
 from resumable.sources.source import Source
 
 T = TypeVar("T")
@@ -14,10 +16,22 @@ LENGTH = "length"
 
 
 class FromList(Source[T]):
-    """Records of an in-memory sequence, by index. The state checks only the length."""
+    """Records of an in-memory sequence, by index. The state checks only the length.
+
+    Anything with ``len()`` and integer indexing works (list, tuple, numpy array). An iterator
+    or generator is refused with ``ConfigError`` rather than silently materialised: it may be
+    endless or huge, and a restore needs the same records again, which an iterator cannot give.
+    """
 
     def __init__(self, records: Sequence[T]) -> None:
         super().__init__()
+        if isinstance(records, (Iterator, Mapping)) or not (
+            hasattr(records, "__len__") and hasattr(records, "__getitem__")
+        ):
+            raise ConfigError(
+                f"{self.kind}: from_list needs a sequence (len() and indexing), got {type(records).__name__}; "
+                "pass list(records) to read an iterator or generator into memory"
+            )
         self._records = records
 
     def __len__(self) -> int:
@@ -35,5 +49,6 @@ class FromList(Source[T]):
 
 
 def from_list(records: Sequence[T]) -> FromList[T]:
-    """A source over an in-memory sequence (list, tuple, or anything with len and indexing)."""
+    """A source over an in-memory sequence (list, tuple, or anything with len and indexing);
+    an iterator or generator is a ``ConfigError`` (pass ``list(records)``)."""
     return FromList(records)

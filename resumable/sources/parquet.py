@@ -11,6 +11,8 @@ in, at the same cost at the first and at the last record of a file.
 
 from __future__ import annotations
 
+import os
+import struct
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
@@ -18,13 +20,12 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import xxhash
 
 from resumable.errors import ConfigError, SourceError
-from resumable.sources.files import Paths, check_fingerprints, expand_paths, fingerprint
-from resumable.sources.source import Source
-from resumable.state import require
+from resumable.sources.files import Paths, WatchedFiles, expand_paths, reading
+from resumable.sources.source import FileSource
 
-FILES = "files"
 COLUMNS = "columns"
 
 DEFAULT_CACHE_ROW_GROUPS = 4
@@ -34,7 +35,8 @@ its window, so that a read straddling two windows decodes no row group twice."""
 MAX_DECODE_THREADS = 8
 """Row groups decoded at once when one read needs several that are not cached."""
 
-"""``[path, size, mtime_ns]`` of one data file, as stored in a state."""
+FOOTER_TAIL = struct.Struct("<I4s")
+"""A Parquet file ends with the length of its footer (the file metadata) and a magic number."""
 
 
 def group_take(
@@ -66,14 +68,14 @@ def group_take(
     return out
 
 
-class ParquetSource(Source[dict[str, Any]]):
+class ParquetSource(FileSource[dict[str, Any]]):
     """Rows (as dicts) of one or more Parquet files, in file order then row order.
 
     ``columns`` selects columns (all by default). Missing files, globs that match nothing,
     unreadable files and a total of zero rows raise ``SourceError`` at construction. The state
-    holds each file's name, size and mtime and the columns: resuming over changed files or
-    other columns is a ``StateError``. Pickles without open files (DataLoader workers reopen
-    them lazily).
+    holds each file's name, size, mtime and footer digest, and the columns: resuming over
+    changed files or other columns is a ``StateError``. Pickles without open files (DataLoader
+    workers reopen them lazily).
     """
 
     def __init__(
@@ -89,22 +91,22 @@ class ParquetSource(Source[dict[str, Any]]):
         self.paths = expand_paths(paths, self.kind)
         self.columns = columns
         self.cache_row_groups = cache_row_groups
-        self._fingerprints = [fingerprint(p) for p in self.paths]
-        self._files: list[pq.ParquetFile | None] = [None] * len(self.paths)
+        self._files = WatchedFiles.of(self.kind, self.paths, footer_digest)
+        self._handles: list[pq.ParquetFile | None] = [None] * len(self.paths)
         counts: list[int] = []
         group_file: list[int] = []
         group_local: list[int] = []
         for file, path in enumerate(self.paths):
-            metadata = self._file(file).metadata
-            if columns is not None:
+            with reading(f"{self.kind}: cannot read {path!r} as Parquet"):
+                metadata = self._file(file).metadata
                 names = set(metadata.schema.to_arrow_schema().names)
-                missing = [c for c in columns if c not in names]
-                if missing:
-                    raise SourceError(f"{self.kind}: {path!r} has no column(s) {missing}; it has {sorted(names)}")
-            for group in range(metadata.num_row_groups):
-                counts.append(metadata.row_group(group).num_rows)
-                group_file.append(file)
-                group_local.append(group)
+                rows = [metadata.row_group(group).num_rows for group in range(metadata.num_row_groups)]
+            missing = [c for c in columns or () if c not in names]
+            if missing:
+                raise SourceError(f"{self.kind}: {path!r} has no column(s) {missing}; it has {sorted(names)}")
+            counts.extend(rows)
+            group_file.extend([file] * len(rows))
+            group_local.extend(range(len(rows)))
         self._group_starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
         self._group_file = np.asarray(group_file, dtype=np.int64)
         self._group_local = np.asarray(group_local, dtype=np.int64)
@@ -135,26 +137,16 @@ class ParquetSource(Source[dict[str, Any]]):
     def _config(self) -> dict[str, Any]:
         return {COLUMNS: self.columns}
 
-    def _identity(self) -> dict[str, Any]:
-        return {FILES: self._fingerprints}
-
-    def _check_identity(self, state: dict[str, Any], path: str) -> None:
-        check_fingerprints(require(state, FILES, list, path), self._fingerprints, path)
-
     # -- reading ------------------------------------------------------------------------------
 
     def _file(self, file: int) -> pq.ParquetFile:
-        handle = self._files[file]
+        handle = self._handles[file]
         if handle is None:
-            path = self.paths[file]
             # Opened lazily (again after pickling): it must be the file the pipeline was built on.
-            if fingerprint(path)[1:] != self._fingerprints[file][1:]:
-                raise SourceError(f"{self.kind}: file {path!r} changed since the pipeline was built")
-            try:
-                handle = pq.ParquetFile(path)
-            except (pa.ArrowException, OSError) as error:
-                raise SourceError(f"{self.kind}: cannot read {path!r} as Parquet: {error}") from error
-            self._files[file] = handle
+            self._files.check(file)
+            with reading(f"{self.kind}: cannot read {self.paths[file]!r} as Parquet"):
+                handle = pq.ParquetFile(self.paths[file])
+            self._handles[file] = handle
         return handle
 
     def _read_row_group(self, group: int, private_handle: bool = False) -> pa.Table:
@@ -163,15 +155,13 @@ class ParquetSource(Source[dict[str, Any]]):
         A ``ParquetFile`` must not be read from two threads at once: concurrent decodes each
         use a ``private_handle`` (opened with the already parsed footer, so it is cheap)."""
         file = int(self._group_file[group])
-        try:
-            handle = self._file(file)
+        handle = self._file(file)
+        with reading(f"{self.kind}: cannot decode row group {int(self._group_local[group])} of {self.paths[file]!r}"):
             if private_handle:
                 handle = pq.ParquetFile(self.paths[file], metadata=handle.metadata)
-            return handle.read_row_group(int(self._group_local[group]), columns=self.columns)
-        except (pa.ArrowException, OSError) as error:
-            raise SourceError(
-                f"{self.kind}: cannot decode row group {int(self._group_local[group])} of {self.paths[file]!r}: {error}"
-            ) from error
+            table = handle.read_row_group(int(self._group_local[group]), columns=self.columns)
+            table.validate(full=True)  # what to_pylist will trust: offsets in bounds, valid UTF-8
+        return table
 
     def _row_group(self, group: int) -> pa.Table:
         """Decoded row group ``group`` (global numbering), through the LRU."""
@@ -224,9 +214,26 @@ class ParquetSource(Source[dict[str, Any]]):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_files"] = [None] * len(self.paths)
+        state["_handles"] = [None] * len(self.paths)
         state["_cache"] = OrderedDict()
         return state
+
+
+def footer_digest(path: str) -> str | None:
+    """A digest of a Parquet file's footer (schema, and every row group's row count, column
+    chunk offsets, sizes and statistics): any rewrite changes it, an edit of data pages in
+    place that keeps every size may not. None when the file has no Parquet footer."""
+    with open(path, "rb") as handle:
+        size = handle.seek(0, os.SEEK_END)
+        if size < FOOTER_TAIL.size:
+            return None
+        handle.seek(size - FOOTER_TAIL.size)
+        length, magic = FOOTER_TAIL.unpack(handle.read(FOOTER_TAIL.size))
+        if length > size - FOOTER_TAIL.size:
+            return None
+        handle.seek(size - FOOTER_TAIL.size - length)
+        footer = handle.read(length + FOOTER_TAIL.size)
+    return f"parquet-footer-xxh3_64:{xxhash.xxh3_64_hexdigest(footer)}"
 
 
 def parquet(

@@ -7,6 +7,8 @@ from typing import Any, Callable, Sequence, TypeVar
 import numpy as np
 
 from resumable.node import IndexedNode
+from resumable.sources.files import FILES, WatchedFiles
+from resumable.state import require
 
 T = TypeVar("T")
 
@@ -47,3 +49,22 @@ class Source(IndexedNode[T]):
         """Handle a record the decoder rejected: raise a SourceError, or return to skip it
         (only when ``may_skip``: random access never skips)."""
         raise error
+
+
+class FileSource(Source[T]):
+    """A source over files. Their fingerprints are its identity: a state taken over other files
+    is refused on restore, and a file that changes during the run is a ``SourceError`` at the
+    next epoch start, at the next ``get_state`` (one file per call, round robin) or when it is
+    next read (see ``WatchedFiles``). Subclasses set ``_files``."""
+
+    _files: WatchedFiles
+
+    def _identity(self) -> dict[str, Any]:
+        return {FILES: self._files.watch()}
+
+    def _check_identity(self, state: dict[str, Any], path: str) -> None:
+        self._files.check_state(require(state, FILES, list, path), path)
+
+    def _enter_epoch(self, epoch: int) -> None:
+        self._files.check_all()
+        super()._enter_epoch(epoch)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gzip
 import logging
+import os
 from typing import IO, Any
 
 import numpy as np
@@ -21,7 +22,15 @@ from resumable.errors import ConfigError, SourceError, StateError
 from resumable.node import Node, RecordKey
 from resumable.order.lcg import Permutation
 from resumable.order.topology import TOPOLOGY_KEYS, Consumer, Topology
-from resumable.sources.files import Paths, check_fingerprints, expand_paths, fingerprint
+from resumable.sources.files import (
+    FILES,
+    READ_ERRORS,
+    Paths,
+    WatchedFiles,
+    expand_paths,
+    read_error,
+    reading,
+)
 from resumable.state import (
     ENDED,
     check_config,
@@ -32,7 +41,6 @@ from resumable.state import (
 
 logger = logging.getLogger("resumable")
 
-FILES = "files"
 ON_ERROR = "on_error"
 SHUFFLE_FILES = "shuffle_files"
 EPOCH = "epoch"
@@ -40,6 +48,10 @@ QUEUE = "queue"
 
 OFFSET_BITS = 40  # a record key packs (file, byte offset): offsets below 1 TiB per file
 LOGGED_SKIPS = 10
+MAX_DEFLATE_RATIO = 1032
+"""Deflate expands a compressed byte into at most this many: a bound on a gzip file's content."""
+GZIP_TRAILER_BYTES = 8
+"""A gzip member ends with the CRC-32 and the length (mod 2**32) of its uncompressed content."""
 
 
 class JsonlStream(Node[Any]):
@@ -66,7 +78,7 @@ class JsonlStream(Node[Any]):
             raise ConfigError(f"{self.kind}: shuffle_files must be an int seed or None, got {shuffle_files!r}")
         self._consumer = Consumer(rank, world_size, split_workers, self.kind)
         self.paths = expand_paths(paths, self.kind)
-        self._fingerprints = [fingerprint(path) for path in self.paths]
+        self._files = WatchedFiles.of(self.kind, self.paths, gzip_digest)
         self.on_error = on_error
         self.shuffle_files = shuffle_files
         self._epoch = 0
@@ -103,8 +115,12 @@ class JsonlStream(Node[Any]):
         queue = self._queue if self._queue is not None else self.queue
         while queue:
             file, offset, line = queue[0]
-            handle = self._handle or self._open(file, offset)
-            raw = handle.readline()
+            try:
+                handle = self._handle or self._open(file, offset)
+                raw = handle.readline()
+            except READ_ERRORS as error:
+                self._close_handle()
+                raise read_error(f"{self.kind}: cannot read {self.paths[file]}:{line + 1}", error) from error
             if not raw:
                 self._close_handle()
                 queue.pop(0)
@@ -122,12 +138,18 @@ class JsonlStream(Node[Any]):
         raise StopIteration
 
     def _open(self, file: int, offset: int) -> IO[bytes]:
+        """Open file ``file`` (checked unchanged) at decompressed byte ``offset``."""
+        self._files.check(file)
         path = self.paths[file]
-        if fingerprint(path)[1:] != self._fingerprints[file][1:]:
-            raise SourceError(f"{self.kind}: file {path!r} changed since the pipeline was built")
         handle = _open(path)
-        handle.seek(offset)
         self._handle = handle
+        reached = handle.seek(offset)  # gzip: decompresses up to the offset, or to the end
+        if reached != offset:
+            self._close_handle()
+            raise StateError(
+                f"{self.kind}: the state's byte offset {offset} is past the end of {path!r} ({reached} bytes "
+                "decompressed): the state was not taken over this file"
+            )
         return handle
 
     def _close_handle(self) -> None:
@@ -155,7 +177,7 @@ class JsonlStream(Node[Any]):
         if not 0 <= file < len(self.paths):
             raise IndexError(f"{self.kind}: record key {key!r} names no file")
         path = self.paths[file]
-        with _open(path) as handle:
+        with reading(f"{self.kind}: cannot read {path!r}"), _open(path) as handle:
             handle.seek(offset)
             raw = handle.readline()
         try:
@@ -166,6 +188,7 @@ class JsonlStream(Node[Any]):
     # -- epochs, state, shutdown ----------------------------------------------------------------
 
     def _begin_epoch(self, epoch: int | None) -> None:
+        self._files.check_all()
         self._epoch = self._epoch + 1 if epoch is None else epoch
         self._close_handle()
         self._queue = None
@@ -179,13 +202,13 @@ class JsonlStream(Node[Any]):
         return {ON_ERROR: self.on_error, SHUFFLE_FILES: self.shuffle_files, **self.topology.config()}
 
     def _identity(self) -> dict[str, Any]:
-        return {FILES: self._fingerprints}
+        return {FILES: self._files.watch()}
 
     def _progress(self) -> dict[str, Any]:
         return {EPOCH: self._epoch, QUEUE: [list(item) for item in self.queue]}
 
     def _check_identity(self, state: dict[str, Any], path: str) -> None:
-        check_fingerprints(require(state, FILES, list, path), self._fingerprints, path)
+        self._files.check_state(require(state, FILES, list, path), path)
 
     def _restore(self, state: dict[str, Any], path: str) -> None:
         epoch = require_count(state, EPOCH, path)
@@ -198,10 +221,21 @@ class JsonlStream(Node[Any]):
                 and item[0] < len(self.paths)
             ):
                 raise StateError(f"{path}: queue entry {item!r} is not [file, byte offset, line] of this source")
-            if not _is_gzip(self.paths[item[0]]) and item[1] > self._fingerprints[item[0]][1]:
-                raise StateError(f"{path}: queue entry {item!r} points past the end of {self.paths[item[0]]!r}")
+            limit = self._offset_limit(item[0])
+            if item[1] > limit:
+                raise StateError(
+                    f"{path}: queue entry {item!r} points past the end of {self.paths[item[0]]!r} "
+                    f"(byte offsets there are at most {limit})"
+                )
         self._close_handle()
         self._epoch, self._queue, self._last = epoch, [list(item) for item in queue], None
+
+    def _offset_limit(self, file: int) -> int:
+        """The largest byte offset file ``file`` can hold: its size, or for gzip what its size
+        can decompress to; never past what a record key can pack."""
+        size = self._files.size(file)
+        content = size * MAX_DEFLATE_RATIO if _is_gzip(self.paths[file]) else size
+        return min(content, (1 << OFFSET_BITS) - 1)
 
     def _rescale(self, olds: list[dict[str, Any]], path: str, consumer: int, num_consumers: int) -> dict[str, Any]:
         """A share of every old consumer's work items, dealt out one by one."""
@@ -230,6 +264,20 @@ def _is_gzip(path: str) -> bool:
 
 def _open(path: str) -> IO[bytes]:
     return gzip.open(path, "rb") if _is_gzip(path) else open(path, "rb")  # type: ignore[return-value]
+
+
+def gzip_digest(path: str) -> str | None:
+    """A gzip file's trailer (CRC-32 and length of its content, of the last member: the whole
+    content for files written in one go), read from its last 8 bytes; None for plain files,
+    which have no cheap digest."""
+    if not _is_gzip(path):
+        return None
+    with open(path, "rb") as handle:
+        size = handle.seek(0, os.SEEK_END)
+        if size < GZIP_TRAILER_BYTES:
+            return None
+        handle.seek(size - GZIP_TRAILER_BYTES)
+        return f"gzip-trailer:{handle.read(GZIP_TRAILER_BYTES).hex()}"
 
 
 def jsonl_stream(

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
-from resumable.errors import ResumableError
+from resumable.errors import ConfigError, ResumableError
+from resumable.node import Node
 from resumable.sources.files import expand_paths
 from resumable.sources.line_index import LineIndex
 
@@ -30,7 +32,37 @@ def build_parser() -> argparse.ArgumentParser:
         "a directory of per-rank state files, or a torch.distributed.checkpoint directory.",
     )
     inspect.add_argument("state", help="state file or directory")
+    inspect.add_argument(
+        "--pipeline",
+        metavar="MODULE:FUNCTION",
+        help="the function that builds the pipeline (as given to rs.torch.Loader), importable from here: "
+        "DataLoader workers' positions are then replayed from their last snapshot to the last batch handed out "
+        "(this reads the data files)",
+    )
     return parser
+
+
+def import_pipeline_factory(spec: str) -> Callable[[], Node[Any]]:
+    """The function ``MODULE:FUNCTION`` names, checked to build a pipeline when called."""
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise ConfigError(f"--pipeline {spec!r}: expected MODULE:FUNCTION, such as mytraining.data:build")
+    try:
+        factory: Any = importlib.import_module(module_name)
+        for name in attribute.split("."):
+            factory = getattr(factory, name)
+    except (ImportError, AttributeError) as error:
+        raise ConfigError(f"--pipeline {spec!r}: cannot import it ({error})") from error
+    if not callable(factory):
+        raise ConfigError(f"--pipeline {spec!r}: {type(factory).__name__} is not a function")
+
+    def build() -> Node[Any]:
+        pipeline = factory()
+        if not isinstance(pipeline, Node):
+            raise ConfigError(f"--pipeline {spec!r} returned {type(pipeline).__name__}, not a pipeline")
+        return pipeline
+
+    return build
 
 
 def index_files(paths: Sequence[str], cache_dir: str | None, quiet: bool) -> int:
@@ -58,9 +90,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "inspect":
             from resumable.inspect import describe
 
-            print(describe(args.state))
-            return 0
-        return index_files(args.paths, args.cache_dir, args.quiet)
+            build = import_pipeline_factory(args.pipeline) if args.pipeline else None
+            print(describe(args.state, build))
+            code = 0
+        else:
+            code = index_files(args.paths, args.cache_dir, args.quiet)
+        sys.stdout.flush()
     except ResumableError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader went away (``| head``): stop quietly. Python flushes stdout again at
+        # exit, so point it at /dev/null first or that flush raises once more.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    return code

@@ -4,6 +4,10 @@ Finds every pipeline state inside a state file (a pipeline or ``rs.torch.Loader`
 JSON, a torch checkpoint, a ``torch.distributed.checkpoint`` directory, or a directory of
 per-rank files) and prints, per rank and DataLoader worker, the epoch, position and progress,
 then the options and counters of every node, and the files involved.
+
+A Loader state holds each worker's pipeline state as of its last snapshot; the report says
+how many batches were handed out since, and, given the function that builds the pipeline,
+replays them so that every position is the one as of the last batch handed out.
 """
 
 from __future__ import annotations
@@ -13,20 +17,23 @@ import json
 import os
 import tempfile
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from resumable.errors import StateError
+from resumable.loader_state import FORMAT, FORMAT_NAME, LoaderState, parse_loader_state
+from resumable.node import Node
 from resumable.order.elastic import Offset, Remap
 from resumable.state import ENDED, KIND, UPSTREAM, VERSION
 
 CURSOR_KEYS = ("epoch", "position", "length")
-LOADER_FORMAT = "resumable.Loader/1"
-WORKER_PREFIX = "worker_"
+
+PipelineFactory = Callable[[], Node[Any]]
 
 
 @dataclass
 class Found:
-    """One pipeline state and where it sits: source file, rank, worker."""
+    """One pipeline state and where it sits: source file, rank, worker, and the Loader state
+    that holds it (``None`` for a bare pipeline state)."""
 
     source: str
     rank: int | None
@@ -34,6 +41,7 @@ class Found:
     worker: int | None
     num_workers: int | None
     state: dict[str, Any]
+    loader: LoaderState | None = None
 
 
 def load_any(path: str) -> list[tuple[str, Any]]:
@@ -52,10 +60,17 @@ def load_any(path: str) -> list[tuple[str, Any]]:
         raise StateError(f"{path}: cannot read: {error}") from error
     if head in (b"{", b"["):
         with open(path, "rb") as handle:
-            return [(path, json.loads(handle.read()))]
+            text = handle.read()
+        try:
+            return [(path, json.loads(text))]
+        except (ValueError, RecursionError) as error:
+            raise StateError(f"{path}: not valid JSON ({error})") from error
     import torch
 
-    return [(path, torch.load(path, weights_only=True, map_location="cpu"))]
+    try:
+        return [(path, torch.load(path, weights_only=True, map_location="cpu"))]
+    except Exception as error:  # what torch.load raises on a file that is no checkpoint has no common type
+        raise _unreadable(path, "neither JSON nor a torch checkpoint", error) from error
 
 
 def _load_dcp(path: str) -> Any:
@@ -64,42 +79,58 @@ def _load_dcp(path: str) -> Any:
 
     with tempfile.TemporaryDirectory() as tmp:
         target = os.path.join(tmp, "state.pt")
-        dcp_to_torch_save(path, target)
-        return torch.load(target, weights_only=True, map_location="cpu")
+        try:
+            dcp_to_torch_save(path, target)
+            return torch.load(target, weights_only=True, map_location="cpu")
+        except Exception as error:  # as above, for a damaged torch.distributed.checkpoint directory
+            raise _unreadable(path, "cannot read this torch.distributed.checkpoint", error) from error
 
 
-def find_states(source: str, obj: Any) -> Iterator[Found]:
-    """Every pipeline state inside ``obj``, with rank and worker when a Loader state holds it."""
+def _unreadable(path: str, what: str, error: Exception) -> StateError:
+    first_line = (str(error).strip().splitlines() or [""])[0]
+    return StateError(f"{path}: {what} ({type(error).__name__}: {first_line:.200})")
+
+
+def find_states(source: str, obj: Any, build: PipelineFactory | None = None) -> Iterator[Found]:
+    """Every pipeline state inside ``obj``, with rank and worker when a Loader state holds it.
+
+    With ``build`` (the function that builds the pipeline), each DataLoader worker's state is
+    advanced from its snapshot to the last batch handed out.
+    """
     if isinstance(obj, str) and obj.startswith("{"):
         try:
             obj = json.loads(obj)  # rs.torch.PerRank stores states as JSON strings
-        except ValueError:
+        except (ValueError, RecursionError):
             return
     if isinstance(obj, dict) and KIND in obj and VERSION in obj:
         yield Found(source, None, None, None, None, obj)
-    elif isinstance(obj, dict) and obj.get("format") == LOADER_FORMAT:
-        yield from _loader_states(source, obj)
+    elif isinstance(obj, dict) and obj.get(FORMAT) == FORMAT_NAME:
+        yield from _loader_states(source, parse_loader_state(obj, f"{source}: Loader"), build)
     elif isinstance(obj, dict):
         for value in obj.values():
-            yield from find_states(source, value)
+            yield from find_states(source, value, build)
     elif isinstance(obj, list):
         for value in obj:
-            yield from find_states(source, value)
+            yield from find_states(source, value, build)
 
 
-def _loader_states(source: str, loader: dict[str, Any]) -> Iterator[Found]:
-    rank, world_size, num_workers = loader.get("rank"), loader.get("world_size"), loader.get("num_workers")
-    workers = loader.get("loader", {}).get("_snapshot", {}).get("_worker_snapshots", {})
-    if workers:
-        for key in sorted(workers, key=lambda k: int(k[len(WORKER_PREFIX) :])):
-            for found in find_states(source, workers[key]):
-                found.rank, found.world_size = rank, world_size
-                found.worker, found.num_workers = int(key[len(WORKER_PREFIX) :]), num_workers
-                yield found
-        return
-    for found in find_states(source, loader.get("loader", {})):
-        found.rank, found.world_size, found.worker, found.num_workers = rank, world_size, 0, num_workers
-        yield found
+def _loader_states(source: str, loader: LoaderState, build: PipelineFactory | None) -> Iterator[Found]:
+    if build is None:
+        pipelines = loader.pipelines
+    else:
+        from resumable.torch.elastic import handed_out_states
+
+        pipelines = handed_out_states(build, loader)
+    for worker, pipeline in enumerate(pipelines):
+        yield Found(
+            source,
+            loader.rank,
+            loader.world_size,
+            worker if loader.num_workers else None,
+            loader.num_workers,
+            pipeline,
+            loader,
+        )
 
 
 def chain(state: dict[str, Any]) -> list[dict[str, Any]]:
@@ -112,15 +143,19 @@ def chain(state: dict[str, Any]) -> list[dict[str, Any]]:
     return nodes
 
 
-def describe(path: str) -> str:
-    """The report printed by ``python -m resumable inspect PATH``."""
-    found = [f for source, obj in load_any(path) for f in find_states(source, obj)]
+def describe(path: str, build: PipelineFactory | None = None) -> str:
+    """The report printed by ``python -m resumable inspect PATH [--pipeline MODULE:FUNCTION]``."""
+    found = [f for source, obj in load_any(path) for f in find_states(source, obj, build)]
     if not found:
         raise StateError(f"{path}: no resumable state found")
     lines = [f"{path}: {len(found)} pipeline state{'s' if len(found) != 1 else ''}"]
     lines.append("pipeline: " + " > ".join(node[KIND] for node in chain(found[0].state)))
     lines.append("")
     lines.extend(_progress_table(found))
+    loaders = list({id(item.loader): item.loader for item in found if item.loader is not None}.values())
+    if loaders:
+        lines.append("")
+        lines.extend(line for loader in loaders for line in _loader_lines(loader, replayed=build is not None))
     for item in found:
         details = _node_details(item.state)
         if details:
@@ -138,6 +173,33 @@ def _consumer_label(item: Found) -> str:
     if item.worker is not None:
         parts.append(f"worker {item.worker}/{item.num_workers}")
     return ", ".join(parts) or os.path.basename(item.source)
+
+
+def _loader_lines(loader: LoaderState, replayed: bool) -> list[str]:
+    """Where a Loader state stands, and as of which batch its workers' positions are."""
+    finished = ", finished" if loader.finished else ""
+    lines = [
+        f"rank {loader.rank}/{loader.world_size}: Loader epoch {loader.epoch}, "
+        f"{loader.handed_out:,} batches handed out in this pass{finished}"
+    ]
+    if not loader.num_workers:
+        return lines
+    snapshot, since = loader.snapshot_step, loader.steps_since_snapshot
+    if not since:
+        lines.append(
+            f"  worker positions as of the last batch handed out (the workers' snapshot at batch {snapshot:,})"
+        )
+    elif replayed:
+        lines.append(
+            f"  worker positions as of the last batch handed out: {since:,} batches replayed from the workers' "
+            f"snapshot at batch {snapshot:,}"
+        )
+    else:
+        lines.append(
+            f"  worker positions as of the workers' snapshot at batch {snapshot:,}, not counting the {since:,} "
+            "batches handed out since (pass --pipeline MODULE:FUNCTION to replay them)"
+        )
+    return lines
 
 
 def _progress_table(found: list[Found]) -> list[str]:

@@ -1,9 +1,11 @@
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+import resumable as rs
 from resumable.cli import main
 
 
@@ -32,3 +34,21 @@ def test_module_entry_point(tmp_path: Path) -> None:
     assert result.returncode == 0
     assert "1  records in 1 file" in result.stdout
     assert "indexing" in result.stderr  # the progress bar
+
+
+def test_a_closed_stdout_ends_quietly(tmp_path: Path) -> None:
+    """``python -m resumable inspect STATE | head``: the reader is gone before the report."""
+    (tmp_path / "a.jsonl").write_text('{"a": 1}\n')
+    state = tmp_path / "state.json"
+    rs.save_state(rs.from_list([1, 2]).batch(1).get_state(), state)
+    for command in (["inspect", str(state)], ["index", "--quiet", str(tmp_path / "a.jsonl")]):
+        read_end, write_end = os.pipe()
+        os.close(read_end)
+        try:
+            result = subprocess.run(
+                [sys.executable, "-m", "resumable", *command], stdout=write_end, stderr=subprocess.PIPE
+            )
+        finally:
+            os.close(write_end)
+        assert result.stderr == b"", result.stderr.decode()
+        assert result.returncode == 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import json
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 import resumable as rs
 import resumable.torch as rst
 from resumable.cli import main
-from resumable.inspect import describe
+from resumable.inspect import chain, describe
 from tests.resume import take
 
 
@@ -117,3 +119,101 @@ def test_rescaled_state_shows_its_band_and_inherited_pieces(tmp_path: Path) -> N
     assert "rescaled epoch 0: strides over the" in out
     assert "level of 4 old consumers over 200 positions: cursors" in out and "band of" in out
     assert "pieces inherited from other consumers in a rescale" in out
+
+
+def sharded(tmp_path: Path) -> rs.Node:
+    return rs.jsonl(source(tmp_path)).shuffle(2).shard().map(lambda r: r["id"]).filter(lambda x: x % 4).batch(3)
+
+
+def worker_rows(report: str) -> list[str]:
+    return [line for line in report.splitlines() if line.startswith("rank 0/1, worker") and "%" in line]
+
+
+def test_loader_state_shows_the_snapshot_and_with_the_pipeline_what_was_handed_out(tmp_path: Path) -> None:
+    build = functools.partial(sharded, tmp_path)
+    every_fourth, every_batch = (
+        rst.Loader(build, 2, snapshot_every_n_steps=4),
+        rst.Loader(build, 2, snapshot_every_n_steps=1),
+    )
+    for loader, name in ((every_fourth, "every_fourth.json"), (every_batch, "every_batch.json")):
+        iterator = iter(loader)
+        for _ in range(6):
+            next(iterator)
+        rs.save_state(loader.state_dict(), tmp_path / name)
+    exact = describe(str(tmp_path / "every_batch.json"))
+    assert "rank 0/1: Loader epoch 0, 6 batches handed out in this pass" in exact
+    assert "worker positions as of the last batch handed out (the workers' snapshot at batch 6)" in exact
+
+    at_snapshot = describe(str(tmp_path / "every_fourth.json"))
+    assert "rank 0/1: Loader epoch 0, 6 batches handed out in this pass" in at_snapshot
+    assert "as of the workers' snapshot at batch 4, not counting the 2 batches handed out since" in at_snapshot
+    assert worker_rows(at_snapshot) != worker_rows(exact)
+
+    replayed = describe(str(tmp_path / "every_fourth.json"), build)
+    assert "as of the last batch handed out: 2 batches replayed from the workers' snapshot at batch 4" in replayed
+    assert worker_rows(replayed) == worker_rows(exact)
+
+
+def test_loader_state_without_workers_is_exact(tmp_path: Path) -> None:
+    loader = rst.Loader(functools.partial(sharded, tmp_path))
+    iterator = iter(loader)
+    for _ in range(5):
+        next(iterator)
+    rs.save_state(loader.state_dict(), tmp_path / "loader.json")
+    out = describe(str(tmp_path / "loader.json"))
+    assert "rank 0/1: Loader epoch 0, 5 batches handed out in this pass" in out
+    assert "snapshot" not in out
+    pipeline = json.loads(loader.state_dict()["loader"]["fetcher_state"]["dataset_iter_state"]["pipeline"])
+    position = next(node["position"] for node in chain(pipeline) if "position" in node)
+    row = next(line for line in out.splitlines() if line.startswith("rank 0/1 "))
+    assert row.split()[2:4] == ["0", f"{position:,}"] and position > 0
+
+
+def test_pipeline_option_imports_the_factory_and_reports_bad_ones(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "my_pipeline.py").write_text(
+        "import resumable as rs\n"
+        f"def build():\n    return rs.jsonl({source(tmp_path)!r}).shuffle(2).shard().batch(3)\n"
+        "not_a_function = 3\n"
+        "def not_a_pipeline():\n    return [1]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from my_pipeline import build  # type: ignore[import-not-found]
+
+    loader = rst.Loader(build, 2, snapshot_every_n_steps=4)
+    iterator = iter(loader)
+    for _ in range(5):
+        next(iterator)
+    rs.save_state(loader.state_dict(), tmp_path / "loader.json")
+    assert main(["inspect", str(tmp_path / "loader.json"), "--pipeline", "my_pipeline:build"]) == 0
+    assert "1 batches replayed from the workers' snapshot at batch 4" in capsys.readouterr().out
+    for spec, message in (
+        ("my_pipeline", "expected MODULE:FUNCTION"),
+        ("no_such_module:build", "cannot import it"),
+        ("my_pipeline:missing", "cannot import it"),
+        ("my_pipeline:not_a_function", "int is not a function"),
+        ("my_pipeline:not_a_pipeline", "returned list, not a pipeline"),
+    ):
+        assert main(["inspect", str(tmp_path / "loader.json"), "--pipeline", spec]) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_unreadable_or_corrupt_files_are_errors_not_tracebacks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    loader = rst.Loader(functools.partial(sharded, tmp_path), 2)
+    next(iter(loader))
+    state = loader.state_dict()
+    worker = state["loader"]["_snapshot"]["_worker_snapshots"]["worker_1"]
+    worker["fetcher_state"]["dataset_iter_state"]["pipeline"] = "{"
+    rs.save_state(state, tmp_path / "corrupt.json")
+    (tmp_path / "truncated.json").write_text('{"format": ')
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    for name, message in (
+        ("corrupt.json", "rank 0/1 worker 1 at loader._snapshot._worker_snapshots.worker_1: the pipeline state is not"),
+        ("truncated.json", "truncated.json: not valid JSON"),
+        ("junk.pt", "junk.pt: neither JSON nor a torch checkpoint"),
+    ):
+        assert main(["inspect", str(tmp_path / name)]) == 2
+        assert message in capsys.readouterr().err

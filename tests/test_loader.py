@@ -147,8 +147,11 @@ def test_dataset_adapter_with_a_plain_dataloader_and_set_epoch() -> None:
 
 
 def test_invalid_arguments() -> None:
-    with pytest.raises(rs.ConfigError, match="num_workers must be a non-negative int"):
+    with pytest.raises(rs.ConfigError, match="num_workers must be an int >= 0, got -1"):
         Loader(build, num_workers=-1)
+    for every in (0, None, 2.0, True):
+        with pytest.raises(rs.ConfigError, match="snapshot_every_n_steps must be an int >= 1"):
+            Loader(build, num_workers=2, snapshot_every_n_steps=every)  # type: ignore[arg-type]
     with pytest.raises(rs.ConfigError, match="expected a pipeline or a function"):
         PipelineDataset(3)  # type: ignore[arg-type]
 
@@ -179,3 +182,205 @@ def test_close_stops_the_workers_and_the_next_iter_continues(persistent_workers:
         loader.close()  # closing twice is harmless
         tail, _ = train(loader, resumed=True)
     assert head + tail == expected
+
+
+def small() -> rs.Node:
+    return rs.from_list(list(range(20))).shuffle(1).shard().batch(3)
+
+
+def batches(loader: Loader) -> list[list[int]]:
+    return [as_lists(batch) for batch in loader]
+
+
+def states_along_three_epochs(config: dict, points: set[tuple[int, int]]) -> dict[tuple[int, int | str], dict]:
+    """States taken at (epoch, batches handed out in it) for each point, and at (epoch, "ended")
+    once the epoch's iterator has raised StopIteration."""
+    loader = Loader(small, **config)
+    states: dict[tuple[int, int | str], dict] = {}
+    for epoch in range(3):
+        iterator = iter(loader)
+        taken = 0
+        while True:
+            if (epoch, taken) in points:
+                states[epoch, taken] = json.loads(json.dumps(loader.state_dict()))
+            try:
+                next(iterator)
+            except StopIteration:
+                break
+            taken += 1
+        states[epoch, "ended"] = json.loads(json.dumps(loader.state_dict()))
+    return states
+
+
+SMALL_CONFIGS = [
+    {"num_workers": 0},
+    {"num_workers": 1},
+    {"num_workers": 2},
+    {"num_workers": 2, "persistent_workers": True},
+    {"num_workers": 2, "persistent_workers": True, "snapshot_every_n_steps": 3},
+]
+
+
+@pytest.mark.parametrize("config", SMALL_CONFIGS, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_state_at_any_point_of_an_epoch_or_after_it_resumes_the_right_epoch(config: dict) -> None:
+    reference = Loader(small, **config)
+    expected = [batches(reference) for _ in range(5)]
+    assert len({json.dumps(epoch) for epoch in expected}) == 5  # a new order every epoch
+    per_epoch = len(expected[0])
+    points = {(epoch, taken) for epoch in (0, 1) for taken in (0, 1, per_epoch - 1, per_epoch)} | {(2, 1)}
+    for (epoch, taken), state in states_along_three_epochs(config, points).items():
+        resumed = Loader(small, **config)
+        resumed.load_state_dict(state)
+        if taken == "ended":  # the next iter() is the next epoch, then the one after
+            assert [batches(resumed), batches(resumed)] == expected[epoch + 1 : epoch + 3], f"ended {epoch}"
+            assert resumed.epoch == epoch + 2
+        else:  # the rest of the epoch, then the next one
+            assert batches(resumed) == expected[epoch][taken:], f"epoch {epoch} after {taken}"
+            assert batches(resumed) == expected[epoch + 1], f"epoch after {epoch}, {taken}"
+            assert resumed.epoch == epoch + 1
+
+
+@pytest.mark.parametrize("config", SMALL_CONFIGS[:4], ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_state_taken_after_loading_and_before_iterating_is_the_loaded_one(config: dict) -> None:
+    reference = Loader(small, **config)
+    expected = [batches(reference) for _ in range(2)]
+    states = states_along_three_epochs(config, {(0, 2)})
+    for point, rest in (((0, 2), expected[0][2:]), ((0, "ended"), expected[1])):
+        loaded = Loader(small, **config)
+        loaded.load_state_dict(states[point])
+        assert loaded.state_dict() == states[point]
+        again = Loader(small, **config)
+        again.load_state_dict(loaded.state_dict())
+        assert batches(again) == rest
+        assert batches(loaded) == rest
+
+
+def test_state_key_names_are_torchdata_s() -> None:
+    from torchdata.stateful_dataloader import incremental_state
+    from torchdata.stateful_dataloader import stateful_dataloader as torchdata_loader
+
+    import resumable.loader_state as keys
+
+    multi = torchdata_loader._StatefulMultiProcessingDataLoaderIter
+    assert (keys.ITERATOR_FINISHED, keys.SAMPLER_ITER_YIELDED, keys.LEN_CALLED, keys.SHARED_SEED) == (
+        torchdata_loader._ITERATOR_FINISHED,
+        torchdata_loader._SAMPLER_ITER_YIELDED,
+        torchdata_loader._ITERABLEDATASET_LEN_CALLED,
+        torchdata_loader._SHARED_SEED,
+    )
+    assert keys.NUM_YIELDED == torchdata_loader._StatefulSingleProcessDataLoaderIter._NUM_YIELDED
+    assert (
+        keys.SNAPSHOT,
+        keys.SNAPSHOT_STEP,
+        keys.LAST_YIELDED,
+        keys.MAIN_SNAPSHOT,
+        keys.WORKER_SNAPSHOTS,
+        keys.STEPS_SINCE,
+        keys.MAIN_NUM_WORKERS,
+        keys.BASE_SEED,
+    ) == (
+        multi._SNAPSHOT,
+        multi._SNAPSHOT_STEP,
+        multi._LAST_YIELDED_WORKER_ID,
+        multi._MAIN_SNAPSHOT,
+        multi._WORKER_SNAPSHOTS,
+        multi._STEPS_SINCE_SNAPSHOT,
+        multi._NUM_WORKERS,
+        multi._BASE_SEED,
+    )
+    assert multi._worker_key(None, 3) == f"{keys.WORKER_PREFIX}3"  # type: ignore[arg-type]
+    assert (keys.WORKER_ID, keys.FETCHER_STATE, keys.FETCHER_ENDED, keys.DATASET_STATE, keys.ITER_STATE) == (
+        incremental_state._WORKER_ID,
+        incremental_state._FETCHER_STATE,
+        incremental_state._FETCHER_ENDED,
+        incremental_state._DATASET_STATE,
+        incremental_state._DATASET_ITER_STATE,
+    )
+
+
+def with_entry(state: dict, path: tuple[str, ...], value: Any) -> dict:
+    """A copy of ``state`` with the entry at ``path`` set to ``value`` (deleted for ``DELETE``)."""
+    copied = json.loads(json.dumps(state))
+    holder = copied
+    for key in path[:-1]:
+        holder = holder[key]
+    if value is DELETE:
+        del holder[path[-1]]
+    else:
+        holder[path[-1]] = value
+    return copied
+
+
+DELETE = object()
+WORKER_1 = ("loader", "_snapshot", "_worker_snapshots", "worker_1")
+ENCODED = ("fetcher_state", "dataset_iter_state", "pipeline")
+
+
+def corruptions(state: dict) -> list[tuple[tuple[str, ...], Any, str]]:
+    """(path, value, message) for the broken states the tester reported, and their siblings."""
+    common = [
+        (("format",), "resumable.Loader/1", "not a resumable Loader state"),
+        (("num_workers",), -1, "rank 0/1: state entry 'num_workers' is -1, expected an int in"),
+        (("epoch",), "1", "rank 0/1: state entry 'epoch' is '1', expected int"),
+        (("rank",), 1, "state entry 'rank' is 1, expected 0"),
+        (("snapshot_every_n_steps",), 0, "'snapshot_every_n_steps' is 0, expected an int in \\[1, "),
+        (("loader", "_iterator_finished"), DELETE, "at loader: state has no '_iterator_finished' entry"),
+    ]
+    if state["num_workers"] == 0:
+        encoded = state["loader"][ENCODED[0]][ENCODED[1]][ENCODED[2]]
+        return common + [
+            (("loader", *ENCODED), encoded[: len(encoded) // 2], "rank 0/1 at loader: the pipeline state is not valid"),
+            (("loader", "_num_yielded"), -3, "'_num_yielded' is -3"),
+            (("loader", "fetcher_state"), None, "'fetcher_state' is None, expected dict"),
+            (("loader", "_shared_seed"), 10**30, "'_shared_seed' is 10{30}"),
+        ]
+    encoded = state["loader"]["_snapshot"]["_worker_snapshots"]["worker_1"][ENCODED[0]][ENCODED[1]][ENCODED[2]]
+    return common + [
+        ((*WORKER_1, *ENCODED), encoded[:-7], f"rank 0/1 worker 1 at {'.'.join(WORKER_1)}: the pipeline state is not"),
+        (("loader", "_snapshot"), DELETE, "rank 0/1 at loader: state has no '_snapshot' entry"),
+        (
+            ("loader", "_steps_since_snapshot"),
+            10**30,
+            "'_steps_since_snapshot' is 10{30}, expected an int in \\[0, 3\\]",
+        ),
+        (("loader", "_snapshot", "_last_yielded_worker_id"), 10**30, "'_last_yielded_worker_id' is 10{30}"),
+        (("loader", "_snapshot", "_last_yielded_worker_id"), -1, "'_last_yielded_worker_id' is -1"),
+        (
+            ("loader", "_snapshot", "_worker_snapshots", "worker_2"),
+            {},
+            "holds \\['worker_0', 'worker_1', 'worker_2'\\]",
+        ),
+        ((*WORKER_1, "worker_id"), 0, "worker 1 .*'worker_id' is 0, expected 1"),
+        (("loader", "_snapshot", "_main_snapshot", "_num_workers"), 3, "'_num_workers' is 3, expected 2"),
+        (("loader", "_snapshot", "_main_snapshot", "_base_seed"), 2**64, "'_base_seed' is 18446744073709551616"),
+        ((*WORKER_1, "dataset_state"), {"x": 1}, "worker 1 .*'dataset_state' is not null"),
+    ]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_corrupt_states_are_state_errors_naming_the_field_and_change_nothing(num_workers: int) -> None:
+    config = {"num_workers": num_workers, "snapshot_every_n_steps": 4}
+    expected = batches(Loader(small, **config))
+    old = Loader(small, **config)
+    iterator = iter(old)
+    for _ in range(5):
+        next(iterator)
+    state = json.loads(json.dumps(old.state_dict()))
+
+    loader = Loader(small, **config)
+    iterator = iter(loader)
+    head = [as_lists(next(iterator)) for _ in range(2)]
+    before = loader.state_dict()
+    for path, value, message in corruptions(state):
+        bad = with_entry(state, path, value)
+        with pytest.raises(rs.StateError, match=message):
+            loader.load_state_dict(bad)
+        with pytest.raises(rs.StateError, match=message.replace("rank 0/1", "\\(old rank 0\\) rank 0/1")):
+            loader.load_state_dict([bad])
+    for wrong in (None, 3, "state"):
+        with pytest.raises(rs.StateError):
+            loader.load_state_dict(wrong)  # type: ignore[arg-type]
+    assert loader.state_dict() == before
+    assert head + [as_lists(batch) for batch in iterator] == expected
+    loader.load_state_dict(state)
+    assert batches(loader) == expected[5:]

@@ -108,3 +108,63 @@ def test_file_sharded_stream_through_the_loader(tmp_path: Any) -> None:
     fresh = Loader(stream, num_workers=2)
     list(fresh)
     assert items(list(new)) == items(list(fresh))
+
+
+def states_around_the_end_of_epoch_0(config: dict) -> dict[str, dict]:
+    """'last': after the last batch, before StopIteration; 'ended': after StopIteration;
+    'next': after iter() started epoch 1, before its first batch."""
+    loader = Loader(build, **config)
+    iterator = iter(loader)
+    states = {}
+    for _ in iterator:
+        states["last"] = json.loads(json.dumps(loader.state_dict()))
+    states["ended"] = json.loads(json.dumps(loader.state_dict()))
+    iter(loader)
+    states["next"] = json.loads(json.dumps(loader.state_dict()))
+    return states
+
+
+OLD_CONFIGS = [{"num_workers": 0}, {"num_workers": 2}, {"num_workers": 2, "persistent_workers": True}]
+
+
+@pytest.mark.parametrize("old_config", OLD_CONFIGS, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+@pytest.mark.parametrize("new_workers", [1, 3])
+def test_states_at_an_epoch_end_continue_on_another_topology(old_config: dict, new_workers: int) -> None:
+    fresh = Loader(build, num_workers=new_workers)
+    own_epochs = [items(list(fresh)) for _ in range(3)]
+    for point, state in states_around_the_end_of_epoch_0(old_config).items():
+        new = Loader(build, num_workers=new_workers, persistent_workers=True)
+        new.load_state_dict([state])
+        if point == "last":  # epoch 0 has nothing left, then the new topology's epoch 1
+            assert items(list(new)) == []
+            assert (items(list(new)), new.epoch) == (own_epochs[1], 1)
+        elif point == "ended":  # the next iter() is epoch 1 already
+            assert (items(list(new)), new.epoch) == (own_epochs[1], 1)
+        else:  # epoch 1 had begun: all of it, each document once, on the new topology
+            assert (sorted(items(list(new))), new.epoch) == (EPOCH, 1)
+        assert items(list(new)) == own_epochs[2], point
+
+
+@pytest.mark.parametrize("new_workers", [0, 2])
+def test_state_taken_after_an_elastic_load_and_before_iterating_resumes_the_same(new_workers: int) -> None:
+    fresh = Loader(build, num_workers=new_workers)
+    own_epochs = [items(list(fresh)) for _ in range(2)]
+    old = Loader(build, num_workers=3)
+    iterator = iter(old)
+    head = [next(iterator) for _ in range(5)]
+    mid_epoch = json.loads(json.dumps(old.state_dict()))
+    list(iterator)
+    ended = json.loads(json.dumps(old.state_dict()))
+    for state in (mid_epoch, ended):
+        new = Loader(build, num_workers=new_workers)
+        new.load_state_dict([state])
+        taken = json.loads(json.dumps(new.state_dict()))
+        rest = items(list(new))
+        resumed = Loader(build, num_workers=new_workers)
+        resumed.load_state_dict(taken)
+        assert items(list(resumed)) == rest
+        if state is mid_epoch:
+            assert sorted(items(head) + rest) == EPOCH and new.epoch == 0
+            assert items(list(new)) == own_epochs[1]
+        else:
+            assert rest == own_epochs[1] and new.epoch == 1

@@ -9,13 +9,11 @@ from typing import Any, Callable, Union
 from torch.utils.data import IterableDataset, get_worker_info
 
 from resumable.errors import ConfigError, StateError
+from resumable.loader_state import PIPELINE
 from resumable.node import Node
 from resumable.order.topology import distributed_rank, inherit_rank
 
 PipelineOrFactory = Union[Node[Any], Callable[[], Node[Any]]]
-
-# Key of the JSON-encoded pipeline state in what a worker reports with each batch.
-PIPELINE = "pipeline"
 
 
 class WorkerIterator:
@@ -39,7 +37,11 @@ class WorkerIterator:
         encoded = state_dict.get(PIPELINE) if isinstance(state_dict, dict) else None
         if not isinstance(encoded, str):
             raise StateError(f"PipelineDataset: expected {{{PIPELINE!r}: <JSON string>}}, got {state_dict!r:.200}")
-        self.pipeline.set_state(json.loads(encoded))
+        try:
+            state = json.loads(encoded)
+        except (ValueError, RecursionError) as error:
+            raise StateError(f"PipelineDataset: the pipeline state is not valid JSON ({error})") from error
+        self.pipeline.set_state(state)
 
 
 class PipelineDataset(IterableDataset):  # type: ignore[type-arg]

@@ -17,94 +17,61 @@ from typing import Any, Callable, Sequence
 
 from resumable.elastic import rescaled_state
 from resumable.errors import StateError
+from resumable.loader_state import LoaderState
 from resumable.node import Node
 from resumable.order.topology import Topology, assume
-from resumable.torch.dataset import PIPELINE
-
-LoaderState = dict[str, Any]
-
-# Keys of torchdata's StatefulDataLoader state.
-SNAPSHOT = "_snapshot"
-WORKER_SNAPSHOTS = "_worker_snapshots"
-LAST_YIELDED = "_last_yielded_worker_id"
-STEPS_SINCE = "_steps_since_snapshot"
-FETCHER_STATE = "fetcher_state"
-ITER_STATE = "dataset_iter_state"
 
 
-def old_consumer_states(build: Callable[[], Node[Any]], old: Sequence[LoaderState]) -> list[dict[str, Any]]:
+def old_consumer_states(build: Callable[[], Node[Any]], olds: Sequence[LoaderState]) -> list[dict[str, Any]]:
     """Every old consumer's exact pipeline state, in consumer order (rank-major)."""
-    states: list[dict[str, Any]] = []
-    world_size = len(old)
-    for rank, state in enumerate(old):
-        num_workers = state["num_workers"]
-        loader = state["loader"]
-        if num_workers == 0:
-            states.append(_pipeline_state(loader, f"Loader rank {rank}"))
-            continue
-        snapshot = loader[SNAPSHOT]
-        workers = [
-            _pipeline_state(snapshot[WORKER_SNAPSHOTS][f"worker_{w}"], f"Loader rank {rank} worker {w}")
-            for w in range(num_workers)
-        ]
-        steps = loader[STEPS_SINCE]
-        if steps:
-            workers = _replay(build, workers, rank, world_size, snapshot[LAST_YIELDED], steps)
-        states.extend(workers)
-    return states
+    return [state for old in olds for state in handed_out_states(build, old)]
 
 
-def _pipeline_state(holder: dict[str, Any], where: str) -> dict[str, Any]:
-    try:
-        encoded = holder[FETCHER_STATE][ITER_STATE][PIPELINE]
-        return json.loads(encoded)  # type: ignore[no-any-return]
-    except (KeyError, TypeError, ValueError) as exc:
-        raise StateError(f"{where}: no pipeline state in the saved loader state ({exc})") from exc
+def handed_out_states(build: Callable[[], Node[Any]], old: LoaderState) -> list[dict[str, Any]]:
+    """Each worker's pipeline state (one without workers) as of the last batch handed out.
 
-
-def _replay(
-    build: Callable[[], Node[Any]],
-    snapshots: list[dict[str, Any]],
-    rank: int,
-    world_size: int,
-    last_yielded: int,
-    steps: int,
-) -> list[dict[str, Any]]:
-    """Advance the workers of one old rank by ``steps`` batches handed out round-robin."""
-    num_workers = len(snapshots)
+    The snapshots are advanced by the ``steps_since_snapshot`` batches handed out after
+    them, in the DataLoader's round-robin order (an exhausted worker is skipped).
+    """
+    workers = old.pipelines
+    if not old.steps_since_snapshot:
+        return workers
     pipelines: dict[int, Node[Any]] = {}
     exhausted: set[int] = set()
-    turn = (last_yielded + 1) % num_workers
-    for _ in range(steps):
+    turn = (old.last_yielded_worker + 1) % old.num_workers
+    for _ in range(old.steps_since_snapshot):
         while True:
-            if len(exhausted) == num_workers:
-                raise StateError(f"Loader rank {rank}: the state counts more batches than its workers hold")
-            worker, turn = turn, (turn + 1) % num_workers
+            if len(exhausted) == old.num_workers:
+                raise StateError(
+                    f"Loader rank {old.rank}: the state counts more batches than its workers hold "
+                    f"({old.steps_since_snapshot} since the snapshot)"
+                )
+            worker, turn = turn, (turn + 1) % old.num_workers
             if worker in exhausted:
                 continue
-            with assume(Topology(rank, world_size, worker, num_workers)):
+            with assume(Topology(old.rank, old.world_size, worker, old.num_workers)):
                 if worker not in pipelines:
                     pipelines[worker] = build()
-                    pipelines[worker].set_state(snapshots[worker])
+                    pipelines[worker].set_state(workers[worker])
                 try:
                     next(pipelines[worker])
                     break
                 except StopIteration:
                     exhausted.add(worker)
     return [
-        pipelines[worker].get_state() if worker in pipelines else snapshots[worker] for worker in range(num_workers)
+        pipelines[worker].get_state() if worker in pipelines else workers[worker] for worker in range(old.num_workers)
     ]
 
 
 def rescale_for_rank(
     build: Callable[[], Node[Any]],
-    old: Sequence[LoaderState],
+    olds: Sequence[LoaderState],
     rank: int,
     world_size: int,
     num_workers: int,
 ) -> dict[int, str]:
     """The JSON pipeline state each of this rank's workers (0 without workers) continues from."""
-    consumers = old_consumer_states(build, old)
+    consumers = old_consumer_states(build, olds)
     workers = max(num_workers, 1)
     rescaled = {}
     for worker in range(workers):

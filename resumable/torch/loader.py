@@ -3,32 +3,34 @@
 from __future__ import annotations
 
 import atexit
+import copy
 import functools
 import warnings
 import weakref
 from typing import Any, Callable, Sequence
 
 from torchdata.stateful_dataloader import StatefulDataLoader
-from torchdata.stateful_dataloader.stateful_dataloader import (
-    _ITERATOR_FINISHED,
-    _StatefulMultiProcessingDataLoaderIter,
-)
+from torchdata.stateful_dataloader.stateful_dataloader import _StatefulMultiProcessingDataLoaderIter
 
 from resumable.errors import ConfigError, StateError
+from resumable.loader_state import (
+    EPOCH,
+    FORMAT,
+    FORMAT_NAME,
+    LOADER,
+    NUM_WORKERS,
+    RANK,
+    SNAPSHOT_EVERY,
+    WORLD_SIZE,
+    LoaderState,
+    parse_loader_state,
+)
 from resumable.order.topology import distributed_rank
-from resumable.state import check_json, require, require_count
 from resumable.torch._worker_signals import init_worker
 from resumable.torch.dataset import PipelineDataset, PipelineOrFactory
 from resumable.torch.elastic import factory_of, rescale_for_rank
 
-FORMAT = "format"
-FORMAT_NAME = "resumable.Loader/1"
-EPOCH = "epoch"
-RANK = "rank"
-WORLD_SIZE = "world_size"
-NUM_WORKERS = "num_workers"
-LOADER = "loader"
-SNAPSHOT_EVERY = 16
+DEFAULT_SNAPSHOT_EVERY = 16
 
 
 class Loader(StatefulDataLoader):
@@ -39,8 +41,9 @@ class Loader(StatefulDataLoader):
     to you*: batches prefetched by workers but not yet consumed are produced again after a
     restore. The state is plain JSON data, in which each worker's pipeline state is one JSON
     string: StatefulDataLoader diffs and copies worker states with every batch, and a string
-    makes that cost nothing (``python -m resumable inspect`` decodes them). Each ``iter()`` that does not follow a
-    ``load_state_dict`` starts a new epoch (a new shuffle order in every worker).
+    makes that cost nothing (``python -m resumable inspect`` decodes them). Each ``iter()``
+    that does not follow a ``load_state_dict`` starts a new epoch (a new shuffle order in every
+    worker); after loading a state taken once an epoch had ended, ``iter()`` starts the next.
 
     Workers send their pipeline state with every ``snapshot_every_n_steps``-th batch (16 by
     default: taking it with every batch cost about 15% of throughput on 2 cores). A restore
@@ -66,10 +69,14 @@ class Loader(StatefulDataLoader):
         multiprocessing_context: Any = None,
         worker_init_fn: Callable[[int], None] | None = None,
         workers_ignore_sigterm: bool = True,
-        snapshot_every_n_steps: int = SNAPSHOT_EVERY,
+        snapshot_every_n_steps: int = DEFAULT_SNAPSHOT_EVERY,
     ) -> None:
-        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-            raise ConfigError(f"Loader: num_workers must be a non-negative int, got {num_workers!r}")
+        for name, value, least in (
+            ("num_workers", num_workers, 0),
+            ("snapshot_every_n_steps", snapshot_every_n_steps, 1),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ConfigError(f"Loader: {name} must be an int >= {least}, got {value!r}")
         dataset = pipeline if isinstance(pipeline, PipelineDataset) else PipelineDataset(pipeline)
         if workers_ignore_sigterm:
             worker_init_fn = functools.partial(init_worker, worker_init_fn)
@@ -88,20 +95,21 @@ class Loader(StatefulDataLoader):
                 worker_init_fn=worker_init_fn,
                 snapshot_every_n_steps=snapshot_every_n_steps,
             )
-        self._epoch = -1  # the epoch being iterated; -1 before the first iter()
+        self._epoch = 0  # the epoch of the current pass, or of the next one before any
+        self._next_iter_advances = False  # whether the next iter() starts epoch _epoch + 1
+        self._loaded: dict[str, Any] | None = None  # the state loaded, until the next iter()
         _OPEN_LOADERS.add(self)
 
     def __iter__(self) -> Any:
-        restored = self.next_iter_state
+        epoch = self._epoch + 1 if self._next_iter_advances else self._epoch
         rescaled = self.dataset.rescaled is not None  # type: ignore[attr-defined]
-        if not rescaled and (restored is None or restored.get(_ITERATOR_FINISHED, False)):
-            self._epoch += 1  # a new epoch, not the continuation of a restored one
-        self.dataset.set_epoch(max(self._epoch, 0))  # type: ignore[attr-defined]
+        self.dataset.set_epoch(epoch)  # type: ignore[attr-defined]
         try:
             iterator = super().__iter__()
         except BaseException as error:
             _shut_down_half_built_iterators(error)
             raise
+        self._epoch, self._next_iter_advances, self._loaded = epoch, True, None
         if rescaled and self.num_workers:
             self.dataset.rescaled = None  # type: ignore[attr-defined]  # the workers have their copies
         return iterator
@@ -128,85 +136,99 @@ class Loader(StatefulDataLoader):
 
     @property
     def epoch(self) -> int:
-        return max(self._epoch, 0)
+        """The epoch being iterated (or last iterated, or restored)."""
+        return self._epoch
 
     def state_dict(self) -> dict[str, Any]:
         """Every worker's position as of the last batch handed out, as JSON data."""
+        if self._loaded is not None:
+            return copy.deepcopy(self._loaded)  # loaded but not iterated yet: nothing moved
+        if self._iterator is None:  # torchdata starts the next pass now to read its initial state
+            if self._next_iter_advances:
+                self._epoch, self._next_iter_advances = self._epoch + 1, False
+            self.dataset.set_epoch(self._epoch)  # type: ignore[attr-defined]
         rank, world_size = distributed_rank()
-        if self._iterator is None and self.next_iter_state is not None:
-            loader_state = self.next_iter_state  # loaded but not iterated yet: nothing moved
-        else:
-            self.dataset.set_epoch(self.epoch)  # type: ignore[attr-defined]
-            loader_state = super().state_dict()
-        state = {
+        return {
             FORMAT: FORMAT_NAME,
-            EPOCH: self.epoch,
+            EPOCH: self._epoch,
             RANK: rank,
             WORLD_SIZE: world_size,
             NUM_WORKERS: self.num_workers,
-            LOADER: loader_state,
+            SNAPSHOT_EVERY: self.snapshot_every_n_steps,
+            LOADER: super().state_dict(),
         }
-        return state
 
     def load_state_dict(self, state_dict: dict[str, Any] | Sequence[dict[str, Any]]) -> None:
         """Continue exactly after the last batch handed out when ``state_dict`` was taken.
 
         Given the states of *every* rank of the old job (a list, in rank order), continue
         its epoch on this job's ranks and workers, however many: see ``resumable.elastic``.
+        The whole state is validated first: on a ``StateError`` the loader is left as it was.
         """
         if isinstance(state_dict, dict):
-            self._load_own(state_dict)
-        else:
+            self._resume(self._own(parse_loader_state(state_dict)))
+        elif isinstance(state_dict, (list, tuple)):
             self._load_all_ranks(state_dict)
+        else:
+            raise StateError(
+                f"Loader: expected a Loader state or a list of every old rank's, got {type(state_dict).__name__}"
+            )
 
-    def _load_all_ranks(self, states: Sequence[dict[str, Any]]) -> None:
-        path = "Loader"
-        check_json(list(states), path)
-        if not states:
-            raise StateError(f"{path}: no rank states to resume from")
-        for index, state in enumerate(states):
-            where = f"{path} (old rank {index})"
-            if not isinstance(state, dict) or state.get(FORMAT) != FORMAT_NAME:
-                raise StateError(f"{where}: not a resumable Loader state (format {FORMAT_NAME!r} expected)")
-            saved = (require(state, RANK, int, where), require(state, WORLD_SIZE, int, where))
-            if saved != (index, len(states)):
-                raise StateError(
-                    f"{path}: give every old rank's state in rank order; entry {index} of {len(states)} is "
-                    f"rank {saved[0]} of {saved[1]}"
-                )
-            require(state, NUM_WORKERS, int, where)
-            require(state, LOADER, dict, where)
-        epochs = {require_count(state, EPOCH, path) for state in states}
-        if len(epochs) != 1:
-            raise StateError(f"{path}: old ranks were in different epochs {sorted(epochs)}")
+    def _own(self, state: LoaderState) -> LoaderState:
+        """``state``, if this loader's rank, world size and worker count saved it."""
         rank, world_size = distributed_rank()
-        same = len(states) == world_size and all(state[NUM_WORKERS] == self.num_workers for state in states)
-        if same:
-            self._load_own(states[rank])
-            return
-        epoch = epochs.pop()
-        self.next_iter_state, self._iterator = None, None
-        self._epoch = epoch
-        if all(state[LOADER].get(_ITERATOR_FINISHED, False) for state in states):
-            return  # taken between epochs: the next iter() starts the next epoch on this topology
-        dataset: PipelineDataset = self.dataset  # type: ignore[assignment]
-        build = factory_of(dataset._pipeline, dataset._factory)
-        dataset.rescaled = rescale_for_rank(build, states, rank, world_size, self.num_workers)
-
-    def _load_own(self, state_dict: dict[str, Any]) -> None:
-        path = "Loader"
-        check_json(state_dict, path)
-        if not isinstance(state_dict, dict) or state_dict.get(FORMAT) != FORMAT_NAME:
-            raise StateError(f"{path}: not a resumable Loader state (format {FORMAT_NAME!r} expected)")
-        rank, world_size = distributed_rank()
-        for key, current in ((RANK, rank), (WORLD_SIZE, world_size), (NUM_WORKERS, self.num_workers)):
-            saved = require(state_dict, key, int, path)
+        for key, saved, current in (
+            (RANK, state.rank, rank),
+            (WORLD_SIZE, state.world_size, world_size),
+            (NUM_WORKERS, state.num_workers, self.num_workers),
+        ):
             if saved != current:
-                raise StateError(f"{path}: state was saved with {key}={saved}, this loader has {key}={current}")
-        epoch = require_count(state_dict, EPOCH, path)
-        self._epoch = epoch
-        self.dataset.rescaled = None  # type: ignore[attr-defined]
-        super().load_state_dict(require(state_dict, LOADER, dict, path))
+                raise StateError(f"Loader: state was saved with {key}={saved}, this loader has {key}={current}")
+        return state
+
+    def _load_all_ranks(self, states: Sequence[Any]) -> None:
+        if not states:
+            raise StateError("Loader: no rank states to resume from")
+        olds = [parse_loader_state(state, f"Loader (old rank {index})") for index, state in enumerate(states)]
+        for index, old in enumerate(olds):
+            if (old.rank, old.world_size) != (index, len(olds)):
+                raise StateError(
+                    f"Loader: give every old rank's state in rank order; entry {index} of {len(olds)} is "
+                    f"rank {old.rank} of {old.world_size}"
+                )
+        epochs = sorted({old.epoch for old in olds})
+        if len(epochs) != 1:
+            raise StateError(f"Loader: old ranks were in different epochs {epochs}")
+        rank, world_size = distributed_rank()
+        if len(olds) == world_size and all(old.num_workers == self.num_workers for old in olds):
+            self._resume(olds[rank])
+            return
+        finished = all(old.finished for old in olds)  # then the next iter() starts the next epoch afresh
+        rescaled = None
+        if not finished:
+            dataset: PipelineDataset = self.dataset  # type: ignore[assignment]
+            build = factory_of(dataset._pipeline, dataset._factory)
+            rescaled = rescale_for_rank(build, olds, rank, world_size, self.num_workers)
+        self._set_position(epochs[0], finished, None, rescaled, None)
+
+    def _resume(self, state: LoaderState) -> None:
+        """Continue this rank's own state; one taken after its epoch ended starts the next afresh."""
+        loaded = copy.deepcopy(state.state)
+        self._set_position(state.epoch, state.finished, None if state.finished else loaded[LOADER], None, loaded)
+
+    def _set_position(
+        self,
+        epoch: int,
+        next_iter_advances: bool,
+        resume: dict[str, Any] | None,
+        rescaled: dict[int, str] | None,
+        loaded: dict[str, Any] | None,
+    ) -> None:
+        """Where the next ``iter()`` goes: drop the current pass, then set every piece at once."""
+        super().load_state_dict(resume if resume is not None else {})  # {} only drops the current pass
+        self.next_iter_state = resume
+        self.dataset.rescaled = rescaled  # type: ignore[attr-defined]
+        self._epoch, self._next_iter_advances, self._loaded = epoch, next_iter_advances, loaded
 
 
 _OPEN_LOADERS: weakref.WeakSet[Loader] = weakref.WeakSet()

@@ -1,0 +1,193 @@
+"""The format of an ``rs.torch.Loader`` state, and its one validation.
+
+A Loader state is ``{"format", "epoch", "rank", "world_size", "num_workers",
+"snapshot_every_n_steps", "loader"}``, where ``loader`` is torchdata's StatefulDataLoader
+state: each worker's pipeline state (one JSON string) as of its last snapshot, and the
+batches handed out since. torchdata reads that part with ``assert`` and bare indexing, so
+every field it or the Loader reads is checked here first, and a bad one raises
+``StateError`` naming the rank, worker and field.
+
+This module imports neither torch nor torchdata, so ``python -m resumable inspect`` reads
+Loader states without loading them; the tests check the key names against torchdata's.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from resumable.errors import StateError
+from resumable.state import check_json, require
+
+# Keys of the Loader state.
+FORMAT = "format"
+FORMAT_NAME = "resumable.Loader/2"
+EPOCH = "epoch"
+RANK = "rank"
+WORLD_SIZE = "world_size"
+NUM_WORKERS = "num_workers"
+SNAPSHOT_EVERY = "snapshot_every_n_steps"
+LOADER = "loader"
+
+# Keys of torchdata's StatefulDataLoader state (private names of torchdata 0.11).
+ITERATOR_FINISHED = "_iterator_finished"
+NUM_YIELDED = "_num_yielded"  # without workers: batches handed out in this pass
+SAMPLER_ITER_YIELDED = "_sampler_iter_yielded"
+LEN_CALLED = "_IterableDataset_len_called"
+SHARED_SEED = "_shared_seed"
+SNAPSHOT = "_snapshot"
+SNAPSHOT_STEP = "_snapshot_step"
+LAST_YIELDED = "_last_yielded_worker_id"
+MAIN_SNAPSHOT = "_main_snapshot"
+WORKER_SNAPSHOTS = "_worker_snapshots"
+STEPS_SINCE = "_steps_since_snapshot"
+MAIN_NUM_WORKERS = "_num_workers"
+BASE_SEED = "_base_seed"
+WORKER_ID = "worker_id"
+FETCHER_STATE = "fetcher_state"
+FETCHER_ENDED = "fetcher_ended"
+DATASET_STATE = "dataset_state"
+ITER_STATE = "dataset_iter_state"
+WORKER_PREFIX = "worker_"
+
+# Key of the JSON-encoded pipeline state in what a worker reports (rs.torch.PipelineDataset).
+PIPELINE = "pipeline"
+
+# Counters and seeds are int64 in torch; larger values are corrupt, not progress.
+INT64_LIMIT = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class LoaderState:
+    """One rank's Loader state, validated.
+
+    ``pipelines`` holds each worker's pipeline state (one, the main process's, without
+    workers) as of its last snapshot; ``steps_since_snapshot`` batches were handed out after
+    it, round-robin from the worker after ``last_yielded_worker``. Without workers the
+    pipeline state is that of the last batch handed out and there is nothing since.
+    """
+
+    state: dict[str, Any]
+    epoch: int
+    rank: int
+    world_size: int
+    num_workers: int
+    snapshot_every: int
+    finished: bool
+    pipelines: list[dict[str, Any]]
+    snapshot_step: int
+    steps_since_snapshot: int
+    last_yielded_worker: int
+
+    @property
+    def torchdata(self) -> dict[str, Any]:
+        """The StatefulDataLoader part, as saved."""
+        return self.state[LOADER]  # type: ignore[no-any-return]
+
+    @property
+    def handed_out(self) -> int:
+        """Batches of this pass handed out when the state was taken."""
+        return self.snapshot_step + self.steps_since_snapshot
+
+
+def parse_loader_state(state: Any, where: str = "Loader") -> LoaderState:
+    """Validate a whole Loader state (StateError naming rank, worker and field) and read it."""
+    check_json(state, where)
+    if not isinstance(state, dict) or state.get(FORMAT) != FORMAT_NAME:
+        saved = state.get(FORMAT) if isinstance(state, dict) else type(state).__name__
+        raise StateError(f"{where}: not a resumable Loader state (format {FORMAT_NAME!r} expected, got {saved!r})")
+    world_size = _count(state, WORLD_SIZE, where, low=1)
+    rank = _count(state, RANK, where, high=world_size - 1)
+    where = f"{where} rank {rank}/{world_size}"
+    epoch = _count(state, EPOCH, where)
+    num_workers = _count(state, NUM_WORKERS, where)
+    snapshot_every = _count(state, SNAPSHOT_EVERY, where, low=1)
+    loader = require(state, LOADER, dict, where)
+    at_loader = f"{where} at {LOADER}"
+    finished = require(loader, ITERATOR_FINISHED, bool, at_loader)
+    if num_workers == 0:
+        _main_counters(loader, at_loader)
+        return LoaderState(
+            state=state,
+            epoch=epoch,
+            rank=rank,
+            world_size=world_size,
+            num_workers=num_workers,
+            snapshot_every=snapshot_every,
+            finished=finished,
+            pipelines=[_pipeline(loader, at_loader)],
+            snapshot_step=_count(loader, NUM_YIELDED, at_loader),
+            steps_since_snapshot=0,
+            last_yielded_worker=0,
+        )
+    steps = _count(loader, STEPS_SINCE, at_loader, high=snapshot_every - 1)
+    snapshot = require(loader, SNAPSHOT, dict, at_loader)
+    at_snapshot = f"{at_loader}.{SNAPSHOT}"
+    main = require(snapshot, MAIN_SNAPSHOT, dict, at_snapshot)
+    at_main = f"{at_snapshot}.{MAIN_SNAPSHOT}"
+    _count(main, MAIN_NUM_WORKERS, at_main, low=num_workers, high=num_workers)
+    _main_counters(main, at_main)
+    _count(main, BASE_SEED, at_main)
+    workers = require(snapshot, WORKER_SNAPSHOTS, dict, at_snapshot)
+    keys = [f"{WORKER_PREFIX}{w}" for w in range(num_workers)]
+    if sorted(workers) != sorted(keys):
+        raise StateError(
+            f"{at_snapshot}: state entry {WORKER_SNAPSHOTS!r} holds {sorted(workers)}, expected {keys} "
+            f"for num_workers={num_workers}"
+        )
+    pipelines = []
+    for w, key in enumerate(keys):
+        at_worker = f"{where} worker {w} at {LOADER}.{SNAPSHOT}.{WORKER_SNAPSHOTS}.{key}"
+        worker = require(workers, key, dict, at_snapshot)
+        _count(worker, WORKER_ID, at_worker, low=w, high=w)
+        pipelines.append(_pipeline(worker, at_worker))
+    return LoaderState(
+        state=state,
+        epoch=epoch,
+        rank=rank,
+        world_size=world_size,
+        num_workers=num_workers,
+        snapshot_every=snapshot_every,
+        finished=finished,
+        pipelines=pipelines,
+        snapshot_step=_count(snapshot, SNAPSHOT_STEP, at_snapshot),
+        steps_since_snapshot=steps,
+        last_yielded_worker=_count(snapshot, LAST_YIELDED, at_snapshot, high=num_workers - 1),
+    )
+
+
+def _count(holder: dict[str, Any], key: str, where: str, low: int = 0, high: int = INT64_LIMIT) -> int:
+    """An int entry in ``[low, high]``."""
+    value: int = require(holder, key, int, where)
+    if not low <= value <= high:
+        expected = str(low) if low == high else f"an int in [{low}, {high}]"
+        raise StateError(f"{where}: state entry {key!r} is {value}, expected {expected}")
+    return value
+
+
+def _main_counters(holder: dict[str, Any], where: str) -> None:
+    """The sampler counter and seeds that torchdata restores in the main process."""
+    _count(holder, SAMPLER_ITER_YIELDED, where)
+    for key in (LEN_CALLED, SHARED_SEED):
+        if require(holder, key, (int, type(None)), where) is not None:
+            _count(holder, key, where)
+
+
+def _pipeline(holder: dict[str, Any], where: str) -> dict[str, Any]:
+    """The pipeline state inside a worker's (or the single process's) fetcher state."""
+    if require(holder, DATASET_STATE, (dict, type(None)), where) is not None:
+        raise StateError(f"{where}: state entry {DATASET_STATE!r} is not null: not saved by rs.torch.Loader")
+    fetcher = require(holder, FETCHER_STATE, dict, where)
+    at_fetcher = f"{where}.{FETCHER_STATE}"
+    require(fetcher, FETCHER_ENDED, bool, at_fetcher)
+    iterator = require(fetcher, ITER_STATE, dict, at_fetcher)
+    encoded = require(iterator, PIPELINE, str, f"{at_fetcher}.{ITER_STATE}")
+    try:
+        pipeline = json.loads(encoded)
+    except (ValueError, RecursionError) as error:
+        raise StateError(f"{where}: the pipeline state is not valid JSON ({error})") from error
+    if not isinstance(pipeline, dict):
+        raise StateError(f"{where}: the pipeline state is a {type(pipeline).__name__}, expected a JSON object")
+    check_json(pipeline, where)
+    return pipeline

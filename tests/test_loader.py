@@ -384,3 +384,38 @@ def test_corrupt_states_are_state_errors_naming_the_field_and_change_nothing(num
     assert head + [as_lists(batch) for batch in iterator] == expected
     loader.load_state_dict(state)
     assert batches(loader) == expected[5:]
+
+
+@pytest.mark.parametrize("every", [1, 3, 16])
+def test_a_restore_may_use_another_snapshot_interval(every: int) -> None:
+    expected = batches(Loader(small, num_workers=2, snapshot_every_n_steps=4))
+    old = Loader(small, num_workers=2, snapshot_every_n_steps=4)
+    iterator = iter(old)
+    head = [as_lists(next(iterator)) for _ in range(3)]
+    state = old.state_dict()
+    assert state["loader"]["_steps_since_snapshot"] == 3
+    resumed = Loader(small, num_workers=2, snapshot_every_n_steps=every)
+    resumed.load_state_dict(state)
+    iterator = iter(resumed)
+    middle = [as_lists(next(iterator)) for _ in range(2)]
+    again = Loader(small, num_workers=2, snapshot_every_n_steps=4)
+    again.load_state_dict(json.loads(json.dumps(resumed.state_dict())))
+    assert head + middle + batches(again) == expected
+
+
+def keep_as_is(batch: Any) -> Any:
+    return batch
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_default_collation_makes_tensors_and_an_identity_collate_fn_keeps_numpy(num_workers: int) -> None:
+    import torch
+
+    def records() -> rs.Node:
+        return rs.from_list([{"ids": np.arange(3), "count": np.int64(2), "n": 5} for _ in range(4)]).batch(2)
+
+    first = next(iter(Loader(records, num_workers)))[0]
+    assert isinstance(first["ids"], torch.Tensor) and isinstance(first["count"], torch.Tensor)
+    assert first["n"] == 5 and not isinstance(first["n"], torch.Tensor)
+    kept = next(iter(Loader(records, num_workers, collate_fn=keep_as_is)))[0]
+    assert isinstance(kept["ids"], np.ndarray) and isinstance(kept["count"], np.int64)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -141,7 +143,7 @@ def test_changed_file_on_resume_is_a_state_error(tmp_path: Path) -> None:
     take(source, 3)
     state = source.get_state()
     write(tmp_path / "a.jsonl", records(21))
-    with pytest.raises(rs.StateError, match=r"JsonlSource: file .*a\.jsonl' differs from the file the state was taken over \(size"):
+    with pytest.raises(rs.StateError, match=r"JsonlSource: file .*a\.jsonl' differs from the file the state was taken"):
         rs.jsonl(path).set_state(state)
 
 
@@ -267,3 +269,161 @@ def test_read_only_data_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 def test_records_are_orjson_values(tmp_path: Path) -> None:
     path = write(tmp_path / "a.jsonl", '[1, 2]\n"text"\n3.5\nnull\n{"nested": {"k": [true]}}\n')
     assert list(rs.jsonl(path)) == [[1, 2], "text", 3.5, None, {"nested": {"k": [True]}}]
+
+
+# -- file identity: restores over unchanged content, changes during the run ------------------------
+
+
+def touch(path: str, seconds: int = 10) -> None:
+    """Move the mtime ``seconds`` forward, as ``touch`` or a ``cp`` without ``-p`` would."""
+    info = os.stat(path)
+    os.utime(path, ns=(info.st_atime_ns, info.st_mtime_ns + seconds * 10**9))
+
+
+def test_touched_or_copied_unchanged_file_still_restores(tmp_path: Path) -> None:
+    """Regression: a touch, or a cp without -p, of unchanged data made every checkpoint
+    unrestorable. Same size, other mtime: the content digests (stored with the line index)
+    are compared, and they match."""
+    path = write(tmp_path / "a.jsonl", records(30))
+    pipe = rs.jsonl(path).shuffle(1)
+    take(pipe, 7)
+    state = pipe.get_state()
+    expected = take(pipe, 23)
+    touch(path)
+    touched = rs.jsonl(path).shuffle(1)
+    touched.set_state(state)
+    assert take(touched, 23) == expected
+    (tmp_path / "copy").mkdir()
+    copy = str(tmp_path / "copy" / "a.jsonl")
+    shutil.copy(path, copy)  # content and permissions, not the mtime
+    copied = rs.jsonl(copy).shuffle(1)
+    copied.set_state(state)
+    assert take(copied, 23) == expected
+
+
+def test_same_size_other_content_is_a_state_error(tmp_path: Path) -> None:
+    path = write(tmp_path / "a.jsonl", records(30))
+    pipe = rs.jsonl(path)
+    take(pipe, 3)
+    state = pipe.get_state()
+    write(tmp_path / "a.jsonl", records(30).replace('"id": 1,', '"id": 7,'))
+    touch(path)
+    with pytest.raises(rs.StateError, match=r"a\.jsonl' differs .*same size, other content digest.*without restoring"):
+        rs.jsonl(path).set_state(state)
+
+
+def test_states_with_three_entry_fingerprints_still_load(tmp_path: Path) -> None:
+    path = write(tmp_path / "a.jsonl", records(30))
+    pipe = rs.jsonl(path)
+    take(pipe, 4)
+    state = pipe.get_state()
+    assert state["files"][0][:3] == [path, os.path.getsize(path), os.stat(path).st_mtime_ns]
+    assert state["files"][0][3].startswith("jsonl-content-xxh3_64:")
+    legacy = dict(state, files=[fingerprint[:3] for fingerprint in state["files"]])
+    resumed = rs.jsonl(path)
+    resumed.set_state(legacy)
+    assert next(resumed)["id"] == 4
+    touch(path)  # an old state has no digest to excuse another mtime
+    with pytest.raises(rs.StateError, match="no content digest to compare"):
+        rs.jsonl(path).set_state(legacy)
+
+
+@pytest.mark.parametrize(
+    "fingerprint",
+    [["a.jsonl", 1], ["a.jsonl", 1, 2, 3], ["a.jsonl", True, 2, None], ["a.jsonl", 1, 2, None, 5], "a.jsonl"],
+)
+def test_malformed_fingerprints_are_state_errors(tmp_path: Path, fingerprint: Any) -> None:
+    path = write(tmp_path / "a.jsonl", records(5))
+    state = rs.jsonl(path).get_state()
+    with pytest.raises(rs.StateError, match="malformed file fingerprint"):
+        rs.jsonl(path).set_state(dict(state, files=[fingerprint]))
+
+
+def test_file_appended_during_the_run_is_caught_at_get_state(tmp_path: Path) -> None:
+    """Regression: an append during a run was noticed only at the next resume, whose message
+    said the file changed since the state was saved. Now get_state() stats one file per call."""
+    first = write(tmp_path / "a.jsonl", records(10))
+    second = write(tmp_path / "b.jsonl", records(10, 10))
+    pipe = rs.jsonl([first, second]).shuffle(0)
+    take(pipe, 3)
+    with open(second, "a") as out:
+        out.write(records(1, 20))
+    with pytest.raises(rs.SourceError, match=r"b\.jsonl' changed during the run \(its size went from .*; restore"):
+        for _ in range(2):  # round robin over the two files
+            pipe.get_state()
+
+
+def test_file_changed_during_the_run_is_caught_at_the_next_epoch_and_read(tmp_path: Path) -> None:
+    path = write(tmp_path / "a.jsonl", records(10))
+    pipe = rs.jsonl(path)
+    assert len(list(pipe)) == 10
+    write(tmp_path / "a.jsonl", records(12))
+    with pytest.raises(rs.SourceError, match="changed during the run"):
+        iter(pipe)  # the next epoch starts
+    fresh = rs.jsonl(path)
+    write(tmp_path / "a.jsonl", records(11))
+    with pytest.raises(rs.SourceError, match="changed during the run"):
+        next(fresh)
+
+
+def test_touch_during_the_run_is_accepted_and_recorded(tmp_path: Path) -> None:
+    path = write(tmp_path / "a.jsonl", records(20))
+    pipe = rs.jsonl(path)
+    head = take(pipe, 5)
+    touch(path)
+    state = pipe.get_state()
+    assert state["files"][0][2] == os.stat(path).st_mtime_ns
+    rest = take(pipe, 15)
+    resumed = rs.jsonl(path)
+    resumed.set_state(state)
+    assert head + take(resumed, 15) == head + rest == list(rs.jsonl(path))
+
+
+def test_removed_or_unreadable_file_is_a_source_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression: a file removed after construction gave a bare FileNotFoundError."""
+    first = write(tmp_path / "a.jsonl", records(5))
+    second = write(tmp_path / "b.jsonl", records(5, 5))
+    source = rs.jsonl([first, second])
+    take(source, 2)
+    os.remove(second)
+    with pytest.raises(rs.SourceError, match=r"b\.jsonl"):
+        take(source, 10)
+
+    def refuse(path: str, *args: Any) -> Any:
+        raise PermissionError(13, "Permission denied", path)
+
+    source = rs.jsonl(first)
+    monkeypatch.setattr(jsonl_module, "open", refuse, raising=False)
+    with pytest.raises(rs.SourceError, match=r"cannot read .*a\.jsonl'.*PermissionError"):
+        next(source)
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root reads files whatever their mode")
+def test_file_made_unreadable_is_a_source_error(tmp_path: Path) -> None:
+    path = write(tmp_path / "a.jsonl", records(5))
+    source = rs.jsonl(path)
+    os.chmod(path, 0)
+    try:
+        with pytest.raises(rs.SourceError, match=r"a\.jsonl"):
+            next(source)
+    finally:
+        os.chmod(path, 0o644)
+
+
+def test_corrupt_sidecar_never_fails_valid_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression: one changed offset in the sidecar body made valid data fail as malformed JSON."""
+    monkeypatch.setattr(line_index, "BLOCK_ENTRIES", 8)
+    path = write(tmp_path / "a.jsonl", records(100))
+    expected = list(rs.jsonl(path))
+    sidecar = Path(path + ".rsidx")
+    stored = bytearray(sidecar.read_bytes())
+    for entry in (3, 50, 97):
+        at = line_index.HEADER.size + 8 * entry
+        stored[at] ^= 0x05
+    sidecar.write_bytes(bytes(stored))
+    with pytest.warns(line_index.SidecarWarning, match="is corrupt"):
+        assert list(rs.jsonl(path)) == expected
+    sidecar.write_bytes(bytes(stored))
+    with pytest.warns(line_index.SidecarWarning, match="is corrupt"):
+        shuffled = list(rs.jsonl(path).shuffle(4))
+    assert sorted(shuffled, key=lambda r: r["id"]) == expected

@@ -354,25 +354,21 @@ def test_corrupt_offset_in_body_is_rebuilt_not_trusted(tmp_path: Path, monkeypat
     check(LineIndex.open(path), data)  # rewritten on disk
 
 
-@pytest.mark.parametrize(
-    "change",
-    {
-        "decreasing": lambda starts: starts.__setitem__(slice(3, 5), starts[3:5][::-1].copy()),
-        "past_the_end": lambda starts: starts.__setitem__(-2, starts[-1] + 1),
-        "before_the_bom": lambda starts: starts.__setitem__(0, 0),
-    }.values(),
-    ids=["decreasing", "past_the_end", "before_the_bom"],
-)
-def test_inconsistent_offsets_with_matching_checksums_are_rebuilt(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: Callable[[np.ndarray], None]
+@pytest.mark.parametrize("entry", [0, -1], ids=["first_before_the_bom", "last_not_the_size"])
+def test_offsets_outside_the_file_are_caught_at_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, entry: int
 ) -> None:
+    """The structural checks at open hold even for a sidecar whose checksums match."""
     data = BOM + many_records(12)
     path = write(tmp_path, data)
     sidecar = LineIndex.open(path).sidecar
     assert sidecar is not None
-    rewrite_offsets(sidecar, change, checksums=True)
-    with pytest.warns(SidecarWarning, match="is corrupt"):
+    outside = 0 if entry == 0 else len(data) + 1
+    rewrite_offsets(sidecar, lambda starts: starts.__setitem__(entry, outside), checksums=True)
+    builds = count_builds(monkeypatch)
+    with pytest.warns(SidecarWarning, match="first or last offset lies outside the data file"):
         check(LineIndex.open(path), data)
+    assert builds == [path]
 
 
 def test_blocks_are_verified_once_and_only_when_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -391,7 +387,7 @@ def test_blocks_are_verified_once_and_only_when_used(tmp_path: Path, monkeypatch
     expected = reference(data)[0]
     assert index._unverified == 13
     assert index.offsets(0, 10).tolist() == expected[:10]  # blocks 0-2
-    assert index.offsets_at(np.array([45, 12], dtype=np.int64)).tolist() == [expected[45], expected[12]]
+    assert index.offsets_at(np.array([45, 12, 13], dtype=np.int64)).tolist() == [expected[i] for i in (45, 12, 13)]
     assert index._unverified == 8 and builds == []
     assert index.offsets(0, 10).tolist() == expected[:10]  # verified blocks are not checked again
     with pytest.warns(SidecarWarning, match="block 9 "):

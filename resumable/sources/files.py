@@ -155,7 +155,8 @@ class WatchedFiles:
         recorded = self.fingerprints[file]
         path = recorded[NAME]
         info = stat(path, self.kind)
-        self.confirm(file, info.st_size, info.st_mtime_ns, lambda: self._digest(path))
+        if info.st_size != recorded[SIZE] or info.st_mtime_ns != recorded[MTIME_NS]:
+            self.confirm(file, info.st_size, info.st_mtime_ns, lambda: self._digest(path))
 
     def confirm(self, file: int, size: int, mtime_ns: int, digest: Callable[[], str | None]) -> None:
         """Raise ``SourceError`` unless ``size``, ``mtime_ns`` (and, when only the mtime differs,
@@ -190,6 +191,8 @@ class WatchedFiles:
         a job that stages its data into a per-job directory still resumes), and so must sizes;
         mtimes too, unless both fingerprints hold the same content digest."""
         current = self.fingerprints
+        if saved == current:  # the common case, at the cost of one comparison
+            return
         if not isinstance(saved, list) or len(saved) != len(current):
             count = len(saved) if isinstance(saved, list) else saved
             raise StateError(f"{path}: state was saved over {count} files, this source has {len(current)}")

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import resumable as rs
+import resumable.torch as rst
 from resumable.torch import Loader, PipelineDataset
 
 EPOCHS = 2
@@ -419,3 +420,11 @@ def test_default_collation_makes_tensors_and_an_identity_collate_fn_keeps_numpy(
     assert first["n"] == 5 and not isinstance(first["n"], torch.Tensor)
     kept = next(iter(Loader(records, num_workers, collate_fn=keep_as_is)))[0]
     assert isinstance(kept["ids"], np.ndarray) and isinstance(kept["count"], np.int64)
+
+
+def test_a_damaged_per_rank_string_is_a_state_error() -> None:
+    loader = Loader(small)
+    encoded = rst.PerRank(loader).state_dict()["rank_0"]
+    with pytest.raises(rs.StateError, match="PerRank: rank 0 of 1: the stored state is not valid JSON"):
+        rst.PerRank(loader).load_state_dict({"rank_0": encoded[:-3]})
+    assert batches(loader) == batches(Loader(small))

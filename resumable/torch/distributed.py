@@ -41,7 +41,7 @@ class PerRank:
         key = rank_key(rank)
         if not isinstance(state_dict.get(key), str):
             raise StateError(f"PerRank: the checkpoint has no state for rank {rank} of {world_size}")
-        self.stateful.load_state_dict(json.loads(state_dict[key]))
+        self.stateful.load_state_dict(_decode(state_dict[key], f"PerRank: rank {rank} of {world_size}"))
 
 
 def load_all_ranks(checkpoint_id: str | os.PathLike[str], key: str = "data") -> list[dict[str, Any]]:
@@ -57,4 +57,12 @@ def load_all_ranks(checkpoint_id: str | os.PathLike[str], key: str = "data") -> 
         raise StateError(f"PerRank: checkpoint {checkpoint_id} holds ranks {ranks} under {key!r}, not 0..n-1")
     target: dict[str, Any] = {key: {rank_key(rank): "" for rank in ranks}}
     dcp.load(target, checkpoint_id=checkpoint_id)
-    return [json.loads(target[key][rank_key(rank)]) for rank in ranks]
+    return [_decode(target[key][rank_key(rank)], f"PerRank: checkpoint {checkpoint_id} rank {rank}") for rank in ranks]
+
+
+def _decode(encoded: str, where: str) -> Any:
+    """A state stored as a JSON string; StateError if the string is damaged."""
+    try:
+        return json.loads(encoded)
+    except (ValueError, RecursionError) as error:
+        raise StateError(f"{where}: the stored state is not valid JSON ({error})") from error

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 from pathlib import Path
 from typing import Any
@@ -101,3 +102,72 @@ def test_arrow_resume_property(tmp_path: Path, chain: str) -> None:
     for k in (0, 1, 50, 99, 100, 101, 170):
         check_resume(build, k, 230)
     check_resume(build, 10, 230, k2=140)
+
+
+# -- bad inputs and file identity ------------------------------------------------------------------
+
+
+def words(count: int) -> pa.Table:
+    return pa.table({"id": list(range(count)), "text": [f"word{i:04d}" for i in range(count)]})
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["file", "stream"])
+def test_corrupt_batch_is_a_source_error_naming_the_batch(tmp_path: Path, stream: bool) -> None:
+    """Regression: invalid UTF-8 in a batch reached the user as UnicodeDecodeError."""
+    path = write_ipc(tmp_path / "a.arrow", words(40), stream=stream, batch_rows=10)
+    data = Path(path).read_bytes()
+    Path(path).write_bytes(data.replace(b"word0025", b"word\xff\xfe25"))
+    source = arrow(path)
+    assert [r["id"] for r in take(source, 20)] == list(range(20))
+    with pytest.raises(rs.SourceError, match=r"cannot read record batch 2 of .*a\.arrow'.*ArrowInvalid"):
+        take(source, 20)
+    with pytest.raises(rs.SourceError, match="record batch 2"):
+        arrow(path)[25]
+
+
+def test_file_cut_short_during_the_run_is_a_source_error_not_a_crash(tmp_path: Path) -> None:
+    """Reading a memory map past the end of a file cut short kills the process (SIGBUS): the
+    file is checked before its batches are read."""
+    path = write_ipc(tmp_path / "a.arrow", words(400), stream=False, batch_rows=50)
+    source = arrow(path)
+    take(source, 10)
+    with open(path, "r+b") as data:
+        data.truncate(os.path.getsize(path) // 2)
+    with pytest.raises(rs.SourceError, match=r"a\.arrow' changed during the run \(its size went from"):
+        take(source, 400)
+
+
+def test_touched_file_restores_and_a_rewritten_one_does_not(tmp_path: Path) -> None:
+    path = write_ipc(tmp_path / "a.arrow", words(30), stream=True, batch_rows=7)
+    source = arrow(path).shuffle(2)
+    take(source, 5)
+    state = source.get_state()
+    assert state["upstream"]["files"][0][3].startswith("arrow-ipc-metadata-xxh3_64:")
+    expected = take(source, 25)
+    info = os.stat(path)
+    os.utime(path, ns=(info.st_atime_ns, info.st_mtime_ns + 10**10))
+    resumed = arrow(path).shuffle(2)
+    resumed.set_state(state)
+    assert take(resumed, 25) == expected
+    write_ipc(tmp_path / "a.arrow", words(30), stream=True, batch_rows=6)  # same rows, other batches
+    with pytest.raises(rs.StateError, match="differs from the file the state was taken over"):
+        arrow(path).shuffle(2).set_state(state)
+
+
+def test_file_changed_during_the_run_is_caught_at_get_state(tmp_path: Path) -> None:
+    first = write_ipc(tmp_path / "a.arrow", words(10), stream=False, batch_rows=5)
+    second = write_ipc(tmp_path / "b.arrow", words(10), stream=True, batch_rows=5)
+    source = arrow([first, second])
+    take(source, 3)
+    write_ipc(tmp_path / "b.arrow", words(12), stream=True, batch_rows=5)
+    with pytest.raises(rs.SourceError, match=r"b\.arrow' changed during the run"):
+        for _ in range(2):
+            source.get_state()
+
+
+def test_removed_file_is_a_source_error_in_a_worker(tmp_path: Path) -> None:
+    path = write_ipc(tmp_path / "a.arrow", words(10), stream=False, batch_rows=5)
+    blob = pickle.dumps(arrow(path))
+    os.remove(path)
+    with pytest.raises(rs.SourceError, match=r"cannot stat .*a\.arrow'"):
+        pickle.loads(blob)[0]

@@ -98,3 +98,36 @@ def test_arrow_reads_hf_cache_files(hf_dataset: Any) -> None:
     source = arrow(files)
     assert isinstance(source, ArrowSource)
     assert [r["id"] for r in source] == list(range(60))
+
+
+def test_from_hf_read_and_decode_errors_are_source_errors(hf_dataset: Any) -> None:
+    files = [f["filename"] for f in hf_dataset.cache_files]
+    corrupted = next(path for path in files if b"doc 3" in Path(path).read_bytes())
+    data = Path(corrupted).read_bytes()
+    Path(corrupted).write_bytes(data.replace(b"doc 3", b"do\xff\xfe3"))  # memory-mapped: seen by the dataset
+    with pytest.raises(rs.SourceError, match=r"HfSource: cannot read record batch \d+ of dataset .*ArrowInvalid"):
+        list(from_hf(hf_dataset))
+    Path(corrupted).write_bytes(data)
+
+    source = from_hf(hf_dataset)
+
+    def broken(example: Any) -> Any:
+        raise ValueError("cannot decode this image")
+
+    source._features_decode = broken
+    with pytest.raises(rs.SourceError, match=r"cannot decode row 0 of dataset .*ValueError: cannot decode this image"):
+        next(source)
+
+
+def test_from_hf_restores_over_touched_cache_files(hf_dataset: Any) -> None:
+    source = from_hf(hf_dataset)
+    take(source, 7)
+    state = source.get_state()
+    assert all(f[3].startswith("arrow-ipc-metadata-xxh3_64:") for f in state["files"])
+    expected = take(source, 20)
+    for entry in hf_dataset.cache_files:
+        info = os.stat(entry["filename"])
+        os.utime(entry["filename"], ns=(info.st_atime_ns, info.st_mtime_ns + 10**10))
+    resumed = from_hf(hf_dataset)
+    resumed.set_state(state)
+    assert take(resumed, 20) == expected

@@ -219,3 +219,55 @@ def test_a_read_needing_several_row_groups_decodes_them_concurrently(
     monkeypatch.setattr(pq.ParquetFile, "read_row_group", broken)
     with pytest.raises(rs.SourceError, match="cannot decode row group 0 of .*a.parquet.: ArrowInvalid: corrupt page"):
         parquet(pattern)._raw_at(np.array([0, 99], dtype=np.int64))
+
+
+# -- bad inputs and file identity ------------------------------------------------------------------
+
+
+def test_touched_file_restores_by_its_footer_digest(tmp_path: Path) -> None:
+    path = write(tmp_path / "a.parquet", list(range(30)))
+    source = parquet(path).shuffle(1)
+    take(source, 6)
+    state = source.get_state()
+    assert state["upstream"]["files"][0][3] == footer_digest(path)
+    expected = take(source, 24)
+    info = os.stat(path)
+    os.utime(path, ns=(info.st_atime_ns, info.st_mtime_ns + 10**10))
+    resumed = parquet(path).shuffle(1)
+    resumed.set_state(state)
+    assert take(resumed, 24) == expected
+
+
+def test_footer_digest_tells_rewrites_apart(tmp_path: Path) -> None:
+    first = write(tmp_path / "a.parquet", list(range(30)))
+    again = write(tmp_path / "b.parquet", list(range(30)))
+    other = write(tmp_path / "c.parquet", list(range(1, 31)))
+    assert footer_digest(first) == footer_digest(again) != footer_digest(other)
+    (tmp_path / "short").write_bytes(b"PAR")
+    assert footer_digest(str(tmp_path / "short")) is None
+
+
+def test_file_changed_during_the_run_is_caught_at_get_state_and_epoch_start(tmp_path: Path) -> None:
+    path = write(tmp_path / "a.parquet", list(range(10)))
+    source = parquet(path)
+    take(source, 3)
+    write(tmp_path / "a.parquet", list(range(11)))
+    with pytest.raises(rs.SourceError, match=r"a\.parquet' changed during the run"):
+        source.get_state()
+    epochs = parquet(write(tmp_path / "b.parquet", list(range(4))))
+    assert len(list(epochs)) == 4
+    os.remove(tmp_path / "b.parquet")
+    with pytest.raises(rs.SourceError, match=r"cannot stat .*b\.parquet'"):
+        iter(epochs)
+
+
+def test_corrupt_data_page_is_a_source_error_naming_the_row_group(tmp_path: Path) -> None:
+    table = pa.table({"text": [f"word{i:04d}" for i in range(40)]})
+    path = str(tmp_path / "a.parquet")
+    pq.write_table(table, path, row_group_size=10, compression="none", use_dictionary=False, write_statistics=False)
+    data = Path(path).read_bytes()
+    Path(path).write_bytes(data.replace(b"word0025", b"word\xff\xfe25"))
+    source = parquet(path)
+    assert [r["text"] for r in take(source, 20)] == [f"word{i:04d}" for i in range(20)]
+    with pytest.raises(rs.SourceError, match=r"cannot decode row group 2 of .*a\.parquet'"):
+        take(source, 20)

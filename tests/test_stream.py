@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
@@ -13,6 +14,7 @@ import pytest
 
 import resumable as rs
 from resumable.elastic import restore
+from resumable.sources import stream as stream_module
 from tests.resume import check_resume, take
 
 FILES = 7
@@ -167,3 +169,124 @@ def test_bad_options_are_config_errors(tmp_path: Path) -> None:
         rs.jsonl_stream(pattern, shuffle_files=True)
     with pytest.raises(rs.SourceError, match="no files match"):
         rs.jsonl_stream(str(tmp_path / "nothing*.jsonl"))
+
+
+# -- bad states and bad inputs: typed errors naming the file ---------------------------------------
+
+
+def gzip_file(path: Path, records: int = 20) -> str:
+    with gzip.open(path, "wt") as out:
+        out.writelines(json.dumps({"id": i, "text": "abc " * i}) + "\n" for i in range(records))
+    return str(path)
+
+
+@pytest.mark.parametrize("offset", [2**63, 2**40, "past_what_it_can_hold"])
+def test_gzip_offsets_past_what_the_file_can_hold_are_refused_at_set_state(tmp_path: Path, offset: Any) -> None:
+    """Regression: a gzip offset of 2**63 in a state was accepted and failed at next()."""
+    path = gzip_file(tmp_path / "a.jsonl.gz")
+    stream = rs.jsonl_stream(path)
+    take(stream, 2)
+    state = json.loads(json.dumps(stream.get_state()))
+    limit = os.path.getsize(path) * stream_module.MAX_DEFLATE_RATIO
+    state["queue"][0][1] = limit + 1 if offset == "past_what_it_can_hold" else offset
+    fresh = rs.jsonl_stream(path)
+    with pytest.raises(rs.StateError, match=r"points past the end of .*a\.jsonl\.gz"):
+        fresh.set_state(state)
+    assert take(fresh, 1) == [{"id": 0, "text": ""}]  # left as it was
+
+
+def test_gzip_offset_past_the_content_is_a_state_error_when_reached(tmp_path: Path) -> None:
+    path = gzip_file(tmp_path / "a.jsonl.gz")
+    stream = rs.jsonl_stream(path)
+    state = json.loads(json.dumps(stream.get_state()))
+    content = len(gzip.decompress(Path(path).read_bytes()))
+    state["queue"][0][1] = content + 5  # possible for a gzip file of this size, but past this one's content
+    stream.set_state(state)
+    with pytest.raises(rs.StateError, match=r"past the end of .*a\.jsonl\.gz'.*not taken over this file"):
+        next(stream)
+
+
+def corrupt_gzip(path: str, how: str) -> None:
+    data = bytearray(Path(path).read_bytes())
+    if how == "header":
+        data[:2] = b"XX"  # BadGzipFile
+    elif how == "truncated":
+        data = data[: len(data) // 2]  # EOFError
+    elif how == "deflate":
+        for at in range(20, len(data) - 10, 7):
+            data[at] ^= 0x5A  # zlib.error, or a CRC mismatch (BadGzipFile)
+    Path(path).write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("how", ["header", "truncated", "deflate"])
+def test_corrupt_gzip_is_a_source_error_naming_file_and_line(tmp_path: Path, how: str) -> None:
+    """Regression: bare BadGzipFile and EOFError (zlib.error too) reached the user."""
+    path = gzip_file(tmp_path / "a.jsonl.gz", records=200)
+    corrupt_gzip(path, how)
+    with pytest.raises(rs.SourceError, match=r"JsonlStream: cannot read .*a\.jsonl\.gz:\d+: \w+"):
+        list(rs.jsonl_stream(path))
+
+
+def test_removed_or_unreadable_file_is_a_source_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression: a bare PermissionError reached the user."""
+    first = gzip_file(tmp_path / "a.jsonl.gz")
+    second = write_plain(tmp_path / "b.jsonl")
+    stream = rs.jsonl_stream([first, second])
+    take(stream, 3)
+    os.remove(second)
+    with pytest.raises(rs.SourceError, match=r"b\.jsonl"):
+        list(stream)
+
+    def refuse(path: str) -> Any:
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(stream_module, "_open", refuse)
+    with pytest.raises(rs.SourceError, match=r"cannot read .*a\.jsonl\.gz:1: PermissionError"):
+        next(rs.jsonl_stream(first))
+    with pytest.raises(rs.SourceError, match=r"cannot read .*a\.jsonl\.gz'.*PermissionError"):
+        rs.jsonl_stream(first).fetch((0, 0))
+
+
+def write_plain(path: Path, records: int = 10) -> str:
+    path.write_text("".join(json.dumps({"id": i}) + "\n" for i in range(records)))
+    return str(path)
+
+
+def touch(path: str) -> None:
+    info = os.stat(path)
+    os.utime(path, ns=(info.st_atime_ns, info.st_mtime_ns + 10**10))
+
+
+def test_touched_gzip_restores_by_its_trailer_a_touched_plain_file_cannot(tmp_path: Path) -> None:
+    gz = gzip_file(tmp_path / "a.jsonl.gz")
+    plain = write_plain(tmp_path / "b.jsonl")
+    stream = rs.jsonl_stream([gz, plain])
+    take(stream, 4)
+    state = stream.get_state()
+    assert state["files"][0][3].startswith("gzip-trailer:") and state["files"][1][3] is None
+    expected = take(stream, 10)
+    touch(gz)
+    resumed = rs.jsonl_stream([gz, plain])
+    resumed.set_state(state)
+    assert take(resumed, 10) == expected
+    touch(plain)
+    with pytest.raises(rs.StateError, match=r"b\.jsonl' differs .*no content digest to compare"):
+        rs.jsonl_stream([gz, plain]).set_state(state)
+
+
+def test_file_changed_during_the_run_is_caught_at_get_state_and_epoch_start(tmp_path: Path) -> None:
+    first = write_plain(tmp_path / "a.jsonl")
+    second = gzip_file(tmp_path / "b.jsonl.gz")
+    stream = rs.jsonl_stream([first, second])
+    take(stream, 2)
+    with open(second, "ab") as out:
+        out.write(b"\x00")
+    with pytest.raises(rs.SourceError, match=r"b\.jsonl\.gz' changed during the run \(its size"):
+        for _ in range(2):  # one file per get_state, round robin
+            stream.get_state()
+    epochs = rs.jsonl_stream(first)
+    assert len(list(epochs)) == 10
+    with open(first, "a") as out:
+        out.write('{"id": 10}\n')
+    with pytest.raises(rs.SourceError, match=r"a\.jsonl' changed during the run"):
+        iter(epochs)

@@ -56,6 +56,8 @@ PIPELINE = "pipeline"
 
 # Counters and seeds are int64 in torch; larger values are corrupt, not progress.
 INT64_LIMIT = 2**63 - 1
+# A restore replays up to this many batches minus one (rs.torch.Loader refuses more).
+MAX_SNAPSHOT_EVERY = 10_000
 
 
 @dataclass(frozen=True)
@@ -81,11 +83,6 @@ class LoaderState:
     last_yielded_worker: int
 
     @property
-    def torchdata(self) -> dict[str, Any]:
-        """The StatefulDataLoader part, as saved."""
-        return self.state[LOADER]  # type: ignore[no-any-return]
-
-    @property
     def handed_out(self) -> int:
         """Batches of this pass handed out when the state was taken."""
         return self.snapshot_step + self.steps_since_snapshot
@@ -102,7 +99,7 @@ def parse_loader_state(state: Any, where: str = "Loader") -> LoaderState:
     where = f"{where} rank {rank}/{world_size}"
     epoch = _count(state, EPOCH, where)
     num_workers = _count(state, NUM_WORKERS, where)
-    snapshot_every = _count(state, SNAPSHOT_EVERY, where, low=1)
+    snapshot_every = _count(state, SNAPSHOT_EVERY, where, low=1, high=MAX_SNAPSHOT_EVERY)
     loader = require(state, LOADER, dict, where)
     at_loader = f"{where} at {LOADER}"
     finished = require(loader, ITERATOR_FINISHED, bool, at_loader)
@@ -130,14 +127,15 @@ def parse_loader_state(state: Any, where: str = "Loader") -> LoaderState:
     _main_counters(main, at_main)
     _count(main, BASE_SEED, at_main)
     workers = require(snapshot, WORKER_SNAPSHOTS, dict, at_snapshot)
-    keys = [f"{WORKER_PREFIX}{w}" for w in range(num_workers)]
-    if sorted(workers) != sorted(keys):
+    # The length first: the expected names are built only for as many workers as are there.
+    if len(workers) != num_workers or set(workers) != {f"{WORKER_PREFIX}{w}" for w in range(num_workers)}:
         raise StateError(
-            f"{at_snapshot}: state entry {WORKER_SNAPSHOTS!r} holds {sorted(workers)}, expected {keys} "
-            f"for num_workers={num_workers}"
+            f"{at_snapshot}: state entry {WORKER_SNAPSHOTS!r} holds {sorted(workers)}, expected "
+            f"{WORKER_PREFIX}0 to {WORKER_PREFIX}{num_workers - 1} for num_workers={num_workers}"
         )
     pipelines = []
-    for w, key in enumerate(keys):
+    for w in range(num_workers):
+        key = f"{WORKER_PREFIX}{w}"
         at_worker = f"{where} worker {w} at {LOADER}.{SNAPSHOT}.{WORKER_SNAPSHOTS}.{key}"
         worker = require(workers, key, dict, at_snapshot)
         _count(worker, WORKER_ID, at_worker, low=w, high=w)

@@ -150,8 +150,8 @@ def test_dataset_adapter_with_a_plain_dataloader_and_set_epoch() -> None:
 def test_invalid_arguments() -> None:
     with pytest.raises(rs.ConfigError, match="num_workers must be an int >= 0, got -1"):
         Loader(build, num_workers=-1)
-    for every in (0, None, 2.0, True):
-        with pytest.raises(rs.ConfigError, match="snapshot_every_n_steps must be an int >= 1"):
+    for every in (0, None, 2.0, True, 10_001):
+        with pytest.raises(rs.ConfigError, match="snapshot_every_n_steps must be an int in \\[1, 10000\\]"):
             Loader(build, num_workers=2, snapshot_every_n_steps=every)  # type: ignore[arg-type]
     with pytest.raises(rs.ConfigError, match="expected a pipeline or a function"):
         PipelineDataset(3)  # type: ignore[arg-type]
@@ -324,7 +324,8 @@ def corruptions(state: dict) -> list[tuple[tuple[str, ...], Any, str]]:
         (("num_workers",), -1, "rank 0/1: state entry 'num_workers' is -1, expected an int in"),
         (("epoch",), "1", "rank 0/1: state entry 'epoch' is '1', expected int"),
         (("rank",), 1, "state entry 'rank' is 1, expected 0"),
-        (("snapshot_every_n_steps",), 0, "'snapshot_every_n_steps' is 0, expected an int in \\[1, "),
+        (("snapshot_every_n_steps",), 0, "'snapshot_every_n_steps' is 0, expected an int in \\[1, 10000\\]"),
+        (("snapshot_every_n_steps",), 10**18, "'snapshot_every_n_steps' is 10{18}, expected an int in \\[1, 10000\\]"),
         (("loader", "_iterator_finished"), DELETE, "at loader: state has no '_iterator_finished' entry"),
     ]
     if state["num_workers"] == 0:
@@ -334,6 +335,7 @@ def corruptions(state: dict) -> list[tuple[tuple[str, ...], Any, str]]:
             (("loader", "_num_yielded"), -3, "'_num_yielded' is -3"),
             (("loader", "fetcher_state"), None, "'fetcher_state' is None, expected dict"),
             (("loader", "_shared_seed"), 10**30, "'_shared_seed' is 10{30}"),
+            (("num_workers",), 10**12, "at loader: state has no '_steps_since_snapshot' entry"),
         ]
     encoded = state["loader"]["_snapshot"]["_worker_snapshots"]["worker_1"][ENCODED[0]][ENCODED[1]][ENCODED[2]]
     return common + [
@@ -349,9 +351,10 @@ def corruptions(state: dict) -> list[tuple[tuple[str, ...], Any, str]]:
         (
             ("loader", "_snapshot", "_worker_snapshots", "worker_2"),
             {},
-            "holds \\['worker_0', 'worker_1', 'worker_2'\\]",
+            "holds \\['worker_0', 'worker_1', 'worker_2'\\], expected worker_0 to worker_1 for num_workers=2",
         ),
         ((*WORKER_1, "worker_id"), 0, "worker 1 .*'worker_id' is 0, expected 1"),
+        (("num_workers",), 10**12, "'_num_workers' is 2, expected 1000000000000"),
         (("loader", "_snapshot", "_main_snapshot", "_num_workers"), 3, "'_num_workers' is 3, expected 2"),
         (("loader", "_snapshot", "_main_snapshot", "_base_seed"), 2**64, "'_base_seed' is 18446744073709551616"),
         ((*WORKER_1, "dataset_state"), {"x": 1}, "worker 1 .*'dataset_state' is not null"),

@@ -71,7 +71,7 @@ def holder_of(state: Any, path: tuple[Any, ...]) -> Any:
     return state
 
 
-REPLACEMENTS = [None, True, -1, 10**30, 2**63, -(10**30), 1.5, "", "x", [], {}]
+REPLACEMENTS = [None, True, -1, 10**12, 10**30, 2**63, -(10**30), 1.5, "", "x", [], {}]
 
 
 @st.composite

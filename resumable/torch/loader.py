@@ -18,6 +18,7 @@ from resumable.loader_state import (
     FORMAT,
     FORMAT_NAME,
     LOADER,
+    MAX_SNAPSHOT_EVERY,
     NUM_WORKERS,
     RANK,
     SNAPSHOT_EVERY,
@@ -71,12 +72,14 @@ class Loader(StatefulDataLoader):
         workers_ignore_sigterm: bool = True,
         snapshot_every_n_steps: int = DEFAULT_SNAPSHOT_EVERY,
     ) -> None:
-        for name, value, least in (
-            ("num_workers", num_workers, 0),
-            ("snapshot_every_n_steps", snapshot_every_n_steps, 1),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ConfigError(f"Loader: {name} must be an int >= {least}, got {value!r}")
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+            raise ConfigError(f"Loader: num_workers must be an int >= 0, got {num_workers!r}")
+        every = snapshot_every_n_steps
+        if isinstance(every, bool) or not isinstance(every, int) or not 1 <= every <= MAX_SNAPSHOT_EVERY:
+            raise ConfigError(
+                f"Loader: snapshot_every_n_steps must be an int in [1, {MAX_SNAPSHOT_EVERY}] (a restore replays "
+                f"up to that many batches minus one), got {every!r}"
+            )
         dataset = pipeline if isinstance(pipeline, PipelineDataset) else PipelineDataset(pipeline)
         if workers_ignore_sigterm:
             worker_init_fn = functools.partial(init_worker, worker_init_fn)

@@ -12,6 +12,7 @@ import pyarrow as pa
 import pytest
 
 import resumable as rs
+from resumable.sources import files
 from resumable.sources.arrow import arrow
 from tests.resume import check_resume, take
 
@@ -154,7 +155,8 @@ def test_touched_file_restores_and_a_rewritten_one_does_not(tmp_path: Path) -> N
         arrow(path).shuffle(2).set_state(state)
 
 
-def test_file_changed_during_the_run_is_caught_at_get_state(tmp_path: Path) -> None:
+def test_file_changed_during_the_run_is_caught_at_get_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(files, "WATCH_INTERVAL", 0)
     first = write_ipc(tmp_path / "a.arrow", words(10), stream=False, batch_rows=5)
     second = write_ipc(tmp_path / "b.arrow", words(10), stream=True, batch_rows=5)
     source = arrow([first, second])

@@ -14,8 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import resumable as rs
+from resumable.sources import files, line_index
 from resumable.sources import jsonl as jsonl_module
-from resumable.sources import line_index
 from tests.resume import check_resume, take
 
 
@@ -339,9 +339,10 @@ def test_malformed_fingerprints_are_state_errors(tmp_path: Path, fingerprint: An
         rs.jsonl(path).set_state(dict(state, files=[fingerprint]))
 
 
-def test_file_appended_during_the_run_is_caught_at_get_state(tmp_path: Path) -> None:
+def test_file_appended_during_the_run_is_caught_at_get_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Regression: an append during a run was noticed only at the next resume, whose message
     said the file changed since the state was saved. Now get_state() stats one file per call."""
+    monkeypatch.setattr(files, "WATCH_INTERVAL", 0)
     first = write(tmp_path / "a.jsonl", records(10))
     second = write(tmp_path / "b.jsonl", records(10, 10))
     pipe = rs.jsonl([first, second]).shuffle(0)

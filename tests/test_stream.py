@@ -14,6 +14,7 @@ import pytest
 
 import resumable as rs
 from resumable.elastic import restore
+from resumable.sources import files
 from resumable.sources import stream as stream_module
 from tests.resume import check_resume, take
 
@@ -274,7 +275,10 @@ def test_touched_gzip_restores_by_its_trailer_a_touched_plain_file_cannot(tmp_pa
         rs.jsonl_stream([gz, plain]).set_state(state)
 
 
-def test_file_changed_during_the_run_is_caught_at_get_state_and_epoch_start(tmp_path: Path) -> None:
+def test_file_changed_during_the_run_is_caught_at_get_state_and_epoch_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(files, "WATCH_INTERVAL", 0)
     first = write_plain(tmp_path / "a.jsonl")
     second = gzip_file(tmp_path / "b.jsonl.gz")
     stream = rs.jsonl_stream([first, second])

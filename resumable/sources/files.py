@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import math
 import os
+import time
 import zlib
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
@@ -37,6 +39,11 @@ LEGACY_FINGERPRINT_LENGTH = 3
 READ_ERRORS = (OSError, EOFError, zlib.error, pa.ArrowException, UnicodeDecodeError)
 """What reading a data file can raise (I/O, truncated or corrupt compression, corrupt Arrow or
 Parquet data, invalid UTF-8); ``reading`` turns them into ``SourceError``."""
+
+WATCH_INTERVAL = 0.1
+"""Least seconds between two files checked by ``watch``: a training loop's ``get_state()``
+checks one file per call, and a read-ahead (prefetch, a parallel map), which takes a state after
+every item, one file ten times a second at most."""
 
 REMEDY = (
     "restore the file's content (the last state saved before the change resumes over it), or start "
@@ -111,10 +118,11 @@ class WatchedFiles:
 
     * ``check_state``: on restore, each file must be the one the state was taken over: same name,
       size and mtime, or same size and content digest (``StateError`` otherwise).
-    * ``watch`` (every ``get_state``: one file, round robin, a ``stat``), ``check_all`` (every
-      epoch start) and ``check`` (before reading a file): a file that changed during the run is
-      a ``SourceError``. A changed mtime alone is accepted when the digest still matches, and
-      the new mtime is recorded so that the digest is computed once per change.
+    * ``watch`` (``get_state``: one file, round robin, a ``stat``, at most every
+      ``WATCH_INTERVAL`` seconds), ``check_all`` (every epoch start) and ``check`` (before reading
+      a file): a file that changed during the run is a ``SourceError``. A changed mtime alone
+      is accepted when the digest still matches, and the new mtime is recorded so that the
+      digest is computed once per change.
     """
 
     def __init__(self, kind: str, fingerprints: list[Fingerprint], digest: Digest) -> None:
@@ -122,6 +130,7 @@ class WatchedFiles:
         self.fingerprints = fingerprints
         self._digest = digest
         self._next_watched = 0
+        self._last_watch = -math.inf
 
     @classmethod
     def of(cls, kind: str, paths: Sequence[str], digest: Digest) -> WatchedFiles:
@@ -138,8 +147,11 @@ class WatchedFiles:
     # -- during the run: SourceError ------------------------------------------------------------
 
     def watch(self) -> list[Fingerprint]:
-        """Check one file (round robin) and return the fingerprints, for a state."""
-        if self.fingerprints:
+        """Check one file (round robin; none if one was checked less than ``WATCH_INTERVAL``
+        seconds ago) and return the fingerprints, for a state."""
+        now = time.monotonic()
+        if self.fingerprints and now - self._last_watch >= WATCH_INTERVAL:
+            self._last_watch = now
             file = self._next_watched
             self._next_watched = (file + 1) % len(self.fingerprints)
             self.check(file)

@@ -107,11 +107,6 @@ def fingerprint(path: str, digest: Digest, kind: str) -> Fingerprint:
     return [path, info.st_size, info.st_mtime_ns, content]
 
 
-def no_digest(path: str) -> None:
-    """The digest of formats that have no cheap one: a changed mtime cannot be excused."""
-    return None
-
-
 class WatchedFiles:
     """The files a source reads, fingerprinted when the pipeline was built, and the checks that
     they stay those files.
@@ -136,9 +131,6 @@ class WatchedFiles:
     def of(cls, kind: str, paths: Sequence[str], digest: Digest) -> WatchedFiles:
         """Fingerprint ``paths`` now."""
         return cls(kind, [fingerprint(path, digest, kind) for path in paths], digest)
-
-    def __len__(self) -> int:
-        return len(self.fingerprints)
 
     def size(self, file: int) -> int:
         """The size of file ``file`` when the pipeline was built."""
@@ -178,22 +170,24 @@ class WatchedFiles:
             return
         if size != recorded[SIZE]:
             change = f"its size went from {recorded[SIZE]} to {size} bytes"
+        elif recorded[DIGEST] is None:
+            change = f"its mtime went from {recorded[MTIME_NS]} to {mtime_ns} ns and this format has no content digest"
         else:
             with reading(f"{self.kind}: cannot read {recorded[NAME]!r}"):
                 current = digest()
-            if recorded[DIGEST] is not None and current == recorded[DIGEST]:
+            if current == recorded[DIGEST]:
                 self._record_mtime(file, mtime_ns)
                 return
-            change = f"its mtime went from {recorded[MTIME_NS]} to {mtime_ns} ns and " + (
-                "its content differs" if recorded[DIGEST] is not None else "this format has no content digest"
-            )
+            change = f"its mtime went from {recorded[MTIME_NS]} to {mtime_ns} ns and its content differs"
         raise SourceError(f"{self.kind}: file {recorded[NAME]!r} changed during the run ({change}); {REMEDY}")
 
     def _record_mtime(self, file: int, mtime_ns: int) -> None:
         """Accept a new mtime for unchanged content. Copy on write: states already handed out
         keep the list they were given."""
+        updated = list(self.fingerprints[file])
+        updated[MTIME_NS] = mtime_ns
         fingerprints = list(self.fingerprints)
-        fingerprints[file] = [*fingerprints[file][:MTIME_NS], mtime_ns, *fingerprints[file][MTIME_NS + 1 :]]
+        fingerprints[file] = updated
         self.fingerprints = fingerprints
 
     # -- on restore: StateError -----------------------------------------------------------------

@@ -334,10 +334,8 @@ class LineIndex:
             expected = HEADER.size + OFFSET_DTYPE.itemsize * entries + CHECKSUM_DTYPE.itemsize * blocks
             if flags & ~FLAG_HAS_BOM or stored_size != expected:
                 raise _CorruptSidecar(f"{stored_size} bytes where its header implies {expected}")
-            starts = np.memmap(stored, dtype=OFFSET_DTYPE, mode="r", offset=HEADER.size, shape=(entries,))
-            block_checksums = np.memmap(
-                stored, dtype=CHECKSUM_DTYPE, mode="r", offset=HEADER.size + starts.nbytes, shape=(blocks,)
-            )
+            body = np.memmap(stored, dtype=OFFSET_DTYPE, mode="r", offset=HEADER.size, shape=(entries + blocks,))
+            starts, block_checksums = body[:entries], body[entries:].view(CHECKSUM_DTYPE)  # one memory map
         has_bom = bool(flags & FLAG_HAS_BOM)
         first_allowed = len(UTF8_BOM) if has_bom else 0
         if int(starts[-1]) != size or not first_allowed <= int(starts[0]) <= size:

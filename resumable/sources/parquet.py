@@ -37,6 +37,8 @@ MAX_DECODE_THREADS = 8
 
 FOOTER_TAIL = struct.Struct("<I4s")
 """A Parquet file ends with the length of its footer (the file metadata) and a magic number."""
+PARQUET_MAGICS = (b"PAR1", b"PARE")
+"""The magic numbers of plain and of encrypted-footer Parquet files."""
 
 
 def group_take(
@@ -229,7 +231,7 @@ def footer_digest(path: str) -> str | None:
             return None
         handle.seek(size - FOOTER_TAIL.size)
         length, magic = FOOTER_TAIL.unpack(handle.read(FOOTER_TAIL.size))
-        if length > size - FOOTER_TAIL.size:
+        if magic not in PARQUET_MAGICS or length > size - FOOTER_TAIL.size:
             return None
         handle.seek(size - FOOTER_TAIL.size - length)
         footer = handle.read(length + FOOTER_TAIL.size)

@@ -176,6 +176,7 @@ class JsonlStream(Node[Any]):
         file, offset = packed >> OFFSET_BITS, packed & ((1 << OFFSET_BITS) - 1)
         if not 0 <= file < len(self.paths):
             raise IndexError(f"{self.kind}: record key {key!r} names no file")
+        self._files.check(file)
         path = self.paths[file]
         with reading(f"{self.kind}: cannot read {path!r}"), _open(path) as handle:
             handle.seek(offset)

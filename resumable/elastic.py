@@ -176,7 +176,8 @@ def _rescale_indexed(cursor: IndexedNode[Any], olds: list[dict[str, Any]], path:
 
 def _new_remap(shard: Shard[Any], olds: list[dict[str, Any]], epoch: int, cursors: list[int], path: str) -> Remap:
     saved = [old.get(REMAP) for old in olds]
-    present = [Remap.from_json(remap, path) for remap in saved if remap is not None]
+    base = len(shard.upstream)  # type: ignore[arg-type]
+    present = [Remap.from_json(remap, path, base_length=base) for remap in saved if remap is not None]
     if present and len(present) != len(saved):
         raise StateError(f"{path}: only some old consumers hold a remap; they come from different checkpoints")
     previous = merge(present, path) if present else None

@@ -339,6 +339,12 @@ class IndexedNode(Node[T]):
         """Hook: the cursor's position as a state is taken, for nodes whose positions it also
         is (a shard under serial maps compacts its remap with it)."""
 
+    def _check_cursor(self, epoch: int, position: int, path: str) -> None:
+        """Tell the indexed chain below a restored cursor where it stands, so that a node whose
+        state depends on it (a shard's compacted remap) rejects a state that cannot serve it."""
+        if self.upstream is not None:
+            self.upstream._check_cursor(epoch, position, path)
+
     def _enter_epoch(self, epoch: int) -> None:
         """Tell the indexed chain below the cursor which epoch is being read (a shard drops
         the remap of an earlier epoch)."""
@@ -567,5 +573,6 @@ class IndexedNode(Node[T]):
                 f"{path}: state was saved over {length} records, this pipeline has {self._length(epoch)}"
             )
         position = require_count(state, POSITION, path, upper=length)
+        self._check_cursor(epoch, position, path)
         self._epoch = epoch
         self._reset_cursor(position)

@@ -20,6 +20,9 @@ UPSTREAM = "upstream"
 ENDED = "ended"
 
 JSON_SCALARS = (str, int, float, bool, type(None))
+MAX_DEPTH = 200
+"""Deepest nesting a state may have: a node adds one or two levels, so this allows pipelines of
+about a hundred nodes while a hostile state cannot exhaust the stack of a recursive reader."""
 
 
 def require(state: Mapping[str, Any], key: str, types: type | tuple[type, ...], path: str) -> Any:
@@ -76,17 +79,22 @@ def check_config(state: Mapping[str, Any], config: Mapping[str, Any], path: str)
 
 
 def check_json(value: Any, path: str) -> None:
-    """Raise StateError unless ``value`` is made of JSON types only (no tuples, numpy or tensors)."""
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if not isinstance(key, str):
-                raise StateError(f"{path}: state key {key!r} is not a string")
-            check_json(item, path)
-    elif isinstance(value, list):
-        for item in value:
-            check_json(item, path)
-    elif not isinstance(value, JSON_SCALARS):
-        raise StateError(f"{path}: state holds a {type(value).__name__}, only JSON types are allowed")
+    """Raise StateError unless ``value`` is made of JSON types only (no tuples, numpy or tensors)
+    nested at most ``MAX_DEPTH`` deep. Iterative, so a hostile state cannot exhaust the stack."""
+    pending: list[tuple[Any, int]] = [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        if isinstance(item, (dict, list)) and depth > MAX_DEPTH:
+            raise StateError(f"{path}: state is nested more than {MAX_DEPTH} levels deep")
+        if isinstance(item, dict):
+            for key, child in item.items():
+                if not isinstance(key, str):
+                    raise StateError(f"{path}: state key {key!r} is not a string")
+                pending.append((child, depth + 1))
+        elif isinstance(item, list):
+            pending.extend((child, depth + 1) for child in item)
+        elif not isinstance(item, JSON_SCALARS):
+            raise StateError(f"{path}: state holds a {type(item).__name__}, only JSON types are allowed")
 
 
 def _type_names(types: type | tuple[type, ...]) -> str:

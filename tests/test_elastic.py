@@ -247,3 +247,65 @@ def test_ranks_times_workers_resolved_from_the_environment(
                     seen.update(delivered("pack", row))
         states = new_states
     assert seen == expected("pack_best_fit", docs)
+
+
+def rescaled_pipeline_state() -> tuple[Callable[[], rs.Node], dict[str, Any]]:
+    docs = documents(60)
+    build = CHAINS["pack_best_fit"]
+    old = [build(rs.from_list(docs), c, 3) for c in range(3)]
+    for c, pipe in enumerate(old):
+        take_fraction(pipe, 0.2 + 0.2 * c)
+    state = rescaled_state(build(rs.from_list(docs), 0, 2), [pipe.get_state() for pipe in old])
+    return (lambda: build(rs.from_list(docs), 0, 2)), json.loads(json.dumps(state))
+
+
+def shard_state(state: dict[str, Any]) -> dict[str, Any]:
+    node = state
+    while node["kind"] != "Shard":
+        node = node["upstream"]
+    return node
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda remap: remap.update(length=2**63),
+        lambda remap: remap.update(length=remap["length"] + 1),
+        lambda remap: remap["steps"][0].update(top=remap["steps"][0]["top"] + 1),
+        lambda remap: remap["steps"][0].update(length=2**63),
+        lambda remap: remap["steps"].append({"shift": 5}),
+        lambda remap: remap["steps"].insert(0, {"shift": -1}),
+    ],
+)
+def test_an_inconsistent_remap_is_a_state_error(edit: Callable[[dict[str, Any]], None]) -> None:
+    """A remap's levels must chain from its length down to the epoch's positions, and each
+    level's top must be its furthest cursor; anything else would read other positions."""
+    build, state = rescaled_pipeline_state()
+    edit(shard_state(state)["remap"])
+    pipe = build()
+    with pytest.raises(rs.StateError, match="Shard"):
+        pipe.set_state(state)
+
+
+def test_a_remap_compacted_past_the_cursor_is_a_state_error() -> None:
+    build, state = rescaled_pipeline_state()
+    pipe = build()
+    pipe.set_state(state)
+    list(pipe)
+    ended = json.loads(json.dumps(pipe.get_state()))
+    shard = shard_state(ended)
+    assert shard["remap"]["first"] > 0  # compacted: the positions before the cursor are gone
+    shard["position"] = 0
+    with pytest.raises(rs.StateError, match="keeps positions from"):
+        build().set_state(ended)
+
+
+@pytest.mark.parametrize("inherited", [5, None, "x", [[1, 2]], [[0, 10**6, 0, 1]]])
+def test_malformed_inherited_pieces_are_state_errors(inherited: Any) -> None:
+    build, state = rescaled_pipeline_state()
+    state["inherited"] = inherited
+    with pytest.raises(rs.StateError, match="Pack"):
+        build().set_state(state)
+    del state["inherited"]
+    with pytest.raises(rs.StateError, match="inherited"):
+        build().set_state(state)

@@ -336,3 +336,14 @@ def test_nested_mix_and_repeat_resume_exactly() -> None:
     state["upstream"]["components"]["inner"]["components"]["code"]["upstream"]["seed"] = 5
     with pytest.raises(rs.StateError, match=r"Mix\[inner\] > Mix\[code\] > IndexedMap > Shuffle"):
         build().set_state(state)
+
+
+@pytest.mark.parametrize("last", [[], {}, 3, "nobody"])
+def test_a_malformed_last_component_is_a_state_error(last: Any) -> None:
+    build = lambda: rs.mix({"a": rs.from_list([1, 2, 3]), "b": rs.from_list([4, 5])}, seed=1)  # noqa: E731
+    pipe = build()
+    next(pipe)
+    state = pipe.get_state()
+    state["last"] = last
+    with pytest.raises(rs.StateError, match="last"):
+        build().set_state(state)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+from typing import Any
 
 import pytest
 
@@ -107,3 +108,15 @@ def test_torch_distributed_checkpoint_stateful_protocol() -> None:
     from torch.distributed.checkpoint.stateful import Stateful
 
     assert isinstance(pipeline(), Stateful)
+
+
+def test_a_deeply_nested_state_is_a_state_error_not_a_recursion_error() -> None:
+    deep: Any = 0
+    for _ in range(5000):
+        deep = [deep]
+    pipe = rs.from_list(list(range(5))).batch(2)
+    state = pipe.get_state()
+    state["upstream"]["extra"] = deep
+    with pytest.raises(rs.StateError, match="nested more than"):
+        pipe.set_state(state)
+    assert next(pipe) == [0, 1]

@@ -403,7 +403,7 @@ class Mix(Node[T]):
         restarts = self._per_name(state, RESTARTS, int, path)
         if any(value < 0 for value in restarts.values()):
             raise StateError(f"{path}: state restarts {restarts!r} must be >= 0")
-        last = state.get(LAST)
+        last = require(state, LAST, (str, type(None)), path)
         if last is not None and last not in self.components:
             raise StateError(f"{path}: state names an unknown last component {last!r}")
         self._counts = counts

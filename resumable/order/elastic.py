@@ -30,6 +30,8 @@ BEHIND = "behind"
 LENGTH = "length"
 SHIFT = "shift"
 FIRST = "first"
+MAX_POSITION = 2**62
+"""Largest position or size a saved remap may hold, so that sums stay inside int64."""
 
 
 def shard_sizes(total: int, num_consumers: int) -> np.ndarray:
@@ -170,13 +172,34 @@ class Remap:
         return value
 
     @classmethod
-    def from_json(cls, value: Any, path: str) -> Remap:
+    def from_json(cls, value: Any, path: str, base_length: int | None = None) -> Remap:
+        """The remap saved as ``value``; StateError unless it is well formed and its steps chain
+        from ``length`` positions down to ``base_length`` (the epoch's positions), when given."""
         if not isinstance(value, dict) or not isinstance(value.get("steps"), list):
             raise StateError(f"{path}: remap entry {str(value)[:80]!r} is not a remap")
         epoch, length, first = value.get("epoch"), value.get(LENGTH), value.get(FIRST, 0)
         if not (_is_count(epoch) and _is_count(length) and _is_count(first)):
-            raise StateError(f"{path}: remap epoch, length and first must be ints >= 0")
-        return cls(epoch, length, tuple(_step_from_json(step, path) for step in value["steps"]), first)
+            raise StateError(f"{path}: remap epoch, length and first must be ints in [0, {MAX_POSITION}]")
+        remap = cls(epoch, length, tuple(_step_from_json(step, path) for step in value["steps"]), first)
+        if base_length is not None and remap.base_length(path) != base_length:
+            raise StateError(
+                f"{path}: the remap maps {length} positions onto {remap.base_length(path)}, "
+                f"this epoch has {base_length}"
+            )
+        return remap
+
+    def base_length(self, path: str) -> int:
+        """Positions of the epoch this remap maps onto: its steps' spaces, newest to oldest, must
+        chain (a compacted level's parent is its size plus its shift)."""
+        size = self.length
+        for step in self.steps:
+            if isinstance(step, Level):
+                if len(step) != size:
+                    raise StateError(f"{path}: a remap level leaves {len(step)} positions where {size} are mapped")
+                size = step.parent_length
+            else:
+                size += step.shift
+        return size
 
 
 def merge(remaps: Sequence[Remap], path: str) -> Remap:
@@ -237,7 +260,7 @@ def _merge_offsets(steps: list[Step]) -> tuple[Step, ...]:
 
 
 def _step_from_json(value: Any, path: str) -> Step:
-    if isinstance(value, dict) and set(value) == {SHIFT} and _is_int(value[SHIFT]):
+    if isinstance(value, dict) and set(value) == {SHIFT} and _is_count(value[SHIFT]):
         return Offset(value[SHIFT])
     if isinstance(value, dict) and set(value) == {LENGTH, CONSUMERS, TOP, BEHIND}:
         length, consumers, top, behind = value[LENGTH], value[CONSUMERS], value[TOP], value[BEHIND]
@@ -249,6 +272,7 @@ def _step_from_json(value: Any, path: str) -> Step:
             and isinstance(behind, list)
             and len(behind) == consumers
             and all(_is_count(b) and b <= top for b in behind)
+            and min(behind) == 0  # top is the furthest cursor
         ):
             cursors = top - np.asarray(behind, dtype=np.int64)
             if (cursors <= shard_sizes(length, consumers)).all():
@@ -256,9 +280,6 @@ def _step_from_json(value: Any, path: str) -> Step:
     raise StateError(f"{path}: remap step {str(value)[:80]!r} is not a level or an offset")
 
 
-def _is_int(value: Any) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _is_count(value: Any) -> TypeGuard[int]:
-    return _is_int(value) and value >= 0
+    """An int in ``[0, MAX_POSITION]``: positions and sizes stay exact in int64 arithmetic."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_POSITION

@@ -6,6 +6,7 @@ from typing import Any, Sequence, TypeVar
 
 import numpy as np
 
+from resumable.errors import StateError
 from resumable.node import IndexedNode
 from resumable.order.elastic import Remap
 from resumable.order.partition import shard_size, shard_to_global
@@ -86,6 +87,21 @@ class Shard(IndexedNode[T]):
     def _pass_cursor(self, epoch: int, position: int) -> None:
         self._cursor = (epoch, position)
 
+    def _check_cursor(self, epoch: int, position: int, path: str) -> None:
+        remap = self._remap_of(epoch)
+        if remap is not None and remap.first > self._first_kept(position):
+            raise StateError(
+                f"{path}: the remap keeps positions from {remap.first} on, the cursor at {position} needs "
+                f"{self._first_kept(position)}"
+            )
+        super()._check_cursor(epoch, position, path)
+
+    def _first_kept(self, position: int) -> int:
+        """The first position of the remap's space a cursor at ``position`` may still ask for:
+        the record before it too, as last_key() names it after a restore."""
+        topology = self.topology
+        return topology.consumer + max(position - 1, 0) * topology.num_consumers
+
     def _state(self, progress: bool) -> dict[str, Any]:
         state = super()._state(progress)
         if self.remap is not None:
@@ -99,15 +115,16 @@ class Shard(IndexedNode[T]):
         cursor = self._cursor
         if cursor is None or cursor[0] != remap.epoch:
             return remap.to_json()
-        topology = self.topology
-        # Keep the record before the cursor too: last_key() names it after a restore.
-        first = topology.consumer + max(cursor[1] - 1, 0) * topology.num_consumers
+        first = self._first_kept(cursor[1])
         if self._saved_remap is None or self._saved_remap[0] != first:
             self._saved_remap = (first, remap.compacted(first).to_json())
         return self._saved_remap[1]
 
     def _load(self, state: Any, path: str, progress: bool = True) -> None:
-        self.remap = Remap.from_json(require(state, REMAP, dict, path), path) if REMAP in state else None
+        remap = None
+        if REMAP in state:
+            remap = Remap.from_json(require(state, REMAP, dict, path), path, base_length=len(self.upstream))  # type: ignore[arg-type]
+        self.remap = remap
         self._cursor, self._saved_remap = None, None
         super()._load(state, path, progress)
 

@@ -560,7 +560,7 @@ class Pack(Node[dict[str, np.ndarray]]):
             span = fetcher.piece(span_ref, SPAN)
             if (span.end - span.start) % self.seq_len:
                 raise StateError(f"{path}: {SPAN} {span_ref} is not a whole number of rows of {self.seq_len}")
-        inherited = deque(fetcher.piece(entry, INHERITED) for entry in state.get(INHERITED, []))
+        inherited = deque(fetcher.piece(entry, INHERITED) for entry in require(state, INHERITED, list, path))
 
         packer = self._new_packer()
         try:

@@ -1,0 +1,233 @@
+"""Adversarial states: corrupt one entry of a real pipeline state (delete it, change its type,
+make it huge, negative or deeply nested, shorten or lengthen a list) and load it.
+
+Only the library's typed errors may come out of ``set_state`` and of the iteration after an
+accepted state (never a TypeError, IndexError, OverflowError, RecursionError or a hang), and a
+rejected state leaves the pipeline exactly as it was: it continues with the items it would
+have given without the failed call.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import resumable as rs
+from resumable import Node
+from resumable.elastic import rescaled_state
+from tests.resume import take
+from tests.sources import INDEXED_KINDS, indexed_source
+
+Build = Callable[[], Node[Any]]
+
+DOCS = [{"id": i, "input_ids": list(range(1, 2 + (i * 7) % 13))} for i in range(40)]
+AFTER = 12  # items compared after a rejected state, or iterated after an accepted one
+
+
+def ids(record: dict[str, Any]) -> dict[str, Any]:
+    return {"id": record["id"], "input_ids": record["input_ids"]}
+
+
+def tokens(row: Any) -> Any:
+    return {key: np.asarray(value).tolist() for key, value in row.items()} if isinstance(row, dict) else row
+
+
+def chains(kind: str) -> dict[str, Build]:
+    source: Callable[[], Node[Any]] = lambda: indexed_source(kind, DOCS)  # noqa: E731
+    return {
+        "shuffle_shard_map": lambda: source().shuffle(3).shard(1, 3).map(ids),
+        "filter_batch_repeat": lambda: source().shuffle(1).shard(0, 2).filter(lambda r: r["id"] % 3).batch(3).repeat(2),
+        "block_shuffle": lambda: source().shuffle(5, block_size=4, window=2).batch(2),
+        "pack_best_fit": lambda: source().shuffle(2).shard(0, 2).pack(8, buffer_size=4).map(tokens),
+        "pack_greedy_split": lambda: source().pack(5, strategy="greedy", overlong="split").map(tokens),
+        "pack_bfd_epoch": lambda: source().shuffle(4).pack(8, strategy="bfd").map(tokens),
+        "prefetch_parallel": lambda: source().shuffle(6).map(ids, num_workers=2).prefetch(3).batch(2),
+        "cache": lambda: source().cache().shuffle(7).shard(0, 2),
+        "mix": lambda: rs.mix(
+            {"a": source().shuffle(1).repeat(), "b": rs.from_list(list(range(9)))}, weights={"a": 2, "b": 1}, seed=3
+        ),
+    }
+
+
+def rescaled_chain(kind: str) -> tuple[Build, Callable[[], dict[str, Any]]]:
+    """A packer after a rescale 3 -> 2 consumers: the state holds a remap and inherited pieces."""
+
+    def build(consumer: int, consumers: int) -> Node[Any]:
+        return indexed_source(kind, DOCS).shuffle(2).shard(consumer, consumers).pack(8, buffer_size=4).map(tokens)
+
+    def state() -> dict[str, Any]:
+        olds = []
+        for consumer in range(3):
+            pipe = build(consumer, 3)
+            take(pipe, 2 + consumer)
+            olds.append(pipe.get_state())
+        return rescaled_state(build(0, 2), olds)
+
+    return (lambda: build(0, 2)), state
+
+
+def paths(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Every place in a JSON value: dict keys and list indices, depth first."""
+    found = [prefix] if prefix else []
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found.extend(paths(item, (*prefix, key)))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            found.extend(paths(item, (*prefix, index)))
+    return found
+
+
+def nested(depth: int) -> Any:
+    value: Any = 0
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+REPLACEMENTS: list[Any] = [
+    None, True, False, -1, 0, 1, 2**31, 2**63, 10**30, -(2**63), 1.5, "x", "", [], {}, [[]], [-1]
+]
+OPERATIONS = ["delete", "replace", "increment", "decrement", "truncate", "append", "duplicate", "deep"]
+
+
+def corrupt(state: dict[str, Any], where: tuple[Any, ...], operation: str, replacement: Any) -> dict[str, Any]:
+    corrupted = copy.deepcopy(state)
+    parent: Any = corrupted
+    for step in where[:-1]:
+        parent = parent[step]
+    last = where[-1]
+    value = parent[last]
+    if operation == "delete":
+        del parent[last]
+    elif operation == "replace":
+        parent[last] = copy.deepcopy(replacement)
+    elif operation in ("increment", "decrement"):
+        step = 1 if operation == "increment" else -1
+        parent[last] = value + step if isinstance(value, int) and not isinstance(value, bool) else replacement
+    elif operation == "truncate":
+        parent[last] = value[: len(value) // 2] if isinstance(value, (list, str)) else replacement
+    elif operation == "append":
+        parent[last] = [*value, value[-1] if value else 0] if isinstance(value, list) else replacement
+    elif operation == "duplicate":
+        parent[last] = value + value if isinstance(value, list) else replacement
+    else:
+        parent[last] = nested(5000)
+    return corrupted
+
+
+def check_corrupted_state(build: Build, state: dict[str, Any], corrupted: dict[str, Any]) -> None:
+    """``corrupted`` is rejected with a typed error and leaves the pipeline as it was, or it is
+    accepted and iterating on raises nothing but typed errors."""
+    reference = build()
+    reference.set_state(json.loads(json.dumps(state)))
+    expected = take(reference, AFTER)
+    reference.close()
+
+    pipe = build()
+    pipe.set_state(json.loads(json.dumps(state)))
+    try:
+        pipe.set_state(corrupted)
+    except rs.ResumableError:
+        assert take(pipe, AFTER) == expected, "a rejected state changed the pipeline"
+        return
+    finally:
+        pipe.close()
+    try:
+        take(pipe, AFTER)
+    except rs.ResumableError:
+        pass
+    finally:
+        pipe.close()
+
+
+SWEEP: list[tuple[str, Any]] = [
+    ("delete", None),
+    ("increment", None),
+    ("decrement", None),
+    ("truncate", None),
+    ("append", None),
+    ("deep", None),
+    *[("replace", value) for value in (None, True, -1, 2**63, 10**30, 1.5, "x", [], {}, [-1])],
+]
+
+
+def distinct_places(state: dict[str, Any]) -> list[tuple[Any, ...]]:
+    """Every dict entry, and of each list its first and last element only."""
+    places = []
+    for where in paths(state):
+        indices = [step for step in where if isinstance(step, int)]
+        if all(index == 0 for index in indices) or where[-1] == -1:
+            places.append(where)
+    for where in paths(state):
+        if where and isinstance(where[-1], int) and where[-1] > 0:
+            parent: Any = state
+            for step in where[:-1]:
+                parent = parent[step]
+            if where[-1] == len(parent) - 1 and all(isinstance(s, str) or s == 0 for s in where[:-1]):
+                places.append(where)
+    return places
+
+
+@pytest.mark.parametrize("chain", [*sorted(chains("list")), "rescaled_pack"])
+def test_every_entry_of_a_state_corrupted_every_way(chain: str) -> None:
+    """Each entry of a mid-epoch state (and of each list its first and last element), with
+    each corruption of ``SWEEP``: a deterministic sweep that random sampling would thin out."""
+    if chain == "rescaled_pack":
+        build, make_state = rescaled_chain("list")
+        pipe = build()
+        pipe.set_state(make_state())
+    else:
+        build = chains("list")[chain]
+        pipe = build()
+    take(pipe, 5)
+    state = json.loads(json.dumps(pipe.get_state()))
+    pipe.close()
+    for where in distinct_places(state):
+        for operation, replacement in SWEEP:
+            check_corrupted_state(build, state, corrupt(state, where, operation, replacement))
+
+
+@settings(deadline=None, max_examples=60)
+@given(
+    kind=st.sampled_from(INDEXED_KINDS),
+    chain=st.sampled_from(sorted(chains("list")) + ["rescaled_pack"]),
+    taken=st.integers(0, 30),
+    data=st.data(),
+    operation=st.sampled_from(OPERATIONS),
+    replacement=st.sampled_from(REPLACEMENTS),
+)
+def test_a_corrupted_state_is_a_typed_error_or_a_valid_state(
+    kind: str, chain: str, taken: int, data: st.DataObject, operation: str, replacement: Any
+) -> None:
+    if chain == "rescaled_pack":
+        build, make_state = rescaled_chain(kind)
+        pipe = build()
+        pipe.set_state(make_state())
+    else:
+        build = chains(kind)[chain]
+        pipe = build()
+    take(pipe, taken)
+    state = json.loads(json.dumps(pipe.get_state()))
+    pipe.close()
+    where = data.draw(st.sampled_from(paths(state)), label="where")
+    check_corrupted_state(build, state, corrupt(state, where, operation, replacement))
+
+
+@settings(deadline=None, max_examples=30)
+@given(value=st.recursive(st.none() | st.integers() | st.text(max_size=3), lambda inner: st.lists(inner, max_size=3)))
+def test_any_json_value_as_a_whole_state_is_a_typed_error(value: Any) -> None:
+    build = chains("list")["pack_best_fit"]
+    pipe = build()
+    expected = take(build(), AFTER)
+    try:
+        pipe.set_state(value)
+    except rs.ResumableError:
+        pass
+    assert take(pipe, AFTER) == expected

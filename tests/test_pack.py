@@ -325,6 +325,10 @@ def test_an_untraceable_upstream_is_a_clear_error_at_the_first_document() -> Non
         ({"input_ids": ["a", "b"]}, "integer ids"),
         ({"input_ids": [1, 2], "labels": [1]}, "has 1 'labels' for 2 'input_ids'"),
         ([1, 2, 3], "is a list, expected a mapping"),
+        ({"input_ids": [2**63, 2**63 + 1]}, "above the int64 rows can hold"),
+        ({"input_ids": np.array([5, 2**64 - 1], dtype=np.uint64)}, "above the int64 rows can hold"),
+        ({"input_ids": [1], "labels": [2**63]}, "'labels' holds id"),
+        ({"input_ids": [2**64]}, "integer ids"),
     ],
 )
 def test_bad_records_name_their_key(record: Any, message: str) -> None:

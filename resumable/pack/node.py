@@ -63,6 +63,7 @@ PADDING = "padding"
 COUNTERS = (DOCUMENTS, SPLIT, TRUNCATED, DROPPED, EMPTY, ROWS, PADDING)
 DOCUMENT_COUNTERS = (DOCUMENTS, SPLIT, TRUNCATED, DROPPED, EMPTY)
 
+INT64_MAX = int(np.iinfo(np.int64).max)  # rows are int64: larger ids would wrap to negative ones
 PIECE_FIELDS = 4  # [epoch, record, token_start, token_end]: the record's index in the leaf source
 
 
@@ -408,6 +409,11 @@ class Pack(Node[dict[str, np.ndarray]]):
             raise SourceError(
                 f"{self.kind}: record {_key_text(key)} field {field!r} must be a 1-d sequence of integer ids, "
                 f"got shape {array.shape} of {array.dtype}"
+            )
+        if array.dtype == np.uint64 and array.size and int(array.max()) > INT64_MAX:
+            raise SourceError(
+                f"{self.kind}: record {_key_text(key)} field {field!r} holds id {int(array.max())}, above the "
+                f"int64 rows can hold ({INT64_MAX})"
             )
         return array
 

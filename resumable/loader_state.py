@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from resumable.errors import StateError
-from resumable.state import check_json, require
+from resumable.state import LOADER_FORMAT, LOADER_FORMAT_PREFIX, check_json, require
 
 # Keys of the Loader state.
-FORMAT = "format"
-FORMAT_NAME = "resumable.Loader/2"
+FORMAT = LOADER_FORMAT
+FORMAT_NAME = f"{LOADER_FORMAT_PREFIX}2"
 EPOCH = "epoch"
 RANK = "rank"
 WORLD_SIZE = "world_size"

@@ -18,6 +18,10 @@ KIND = "kind"
 VERSION = "version"
 UPSTREAM = "upstream"
 ENDED = "ended"
+LOADER_FORMAT = "format"
+LOADER_FORMAT_PREFIX = "resumable.Loader/"
+"""How a Loader state announces itself (``resumable.loader_state``), so a pipeline can say what
+to do when it is given one."""
 
 JSON_SCALARS = (str, int, float, bool, type(None))
 MAX_DEPTH = 200
@@ -48,7 +52,18 @@ def require_count(state: Mapping[str, Any], key: str, path: str, upper: int | No
 def check_header(state: Any, kind: str, path: str) -> None:
     """Check that ``state`` is a dict saved by a node of ``kind`` with this format version."""
     if not isinstance(state, dict):
-        raise StateError(f"{path}: expected a state dict, got {type(state).__name__}")
+        hint = (
+            "; to continue every old consumer's states on this one, use resumable.elastic.restore(pipe, states)"
+            if isinstance(state, list)
+            else ""
+        )
+        raise StateError(f"{path}: expected a state dict, got {type(state).__name__}{hint}")
+    if KIND not in state and str(state.get(LOADER_FORMAT, "")).startswith(LOADER_FORMAT_PREFIX):
+        raise StateError(
+            f"{path}: this is a state of rs.torch.Loader (format {state[LOADER_FORMAT]!r}), which holds every "
+            "worker's pipeline state; restore it with loader.load_state_dict(state) on a Loader over this "
+            "pipeline, not with pipe.set_state"
+        )
     saved_kind = state.get(KIND)
     if saved_kind != kind:
         raise StateError(f"{path}: state was saved by a {saved_kind!r} node, this node is {kind!r}")

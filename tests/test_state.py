@@ -120,3 +120,14 @@ def test_a_deeply_nested_state_is_a_state_error_not_a_recursion_error() -> None:
     with pytest.raises(rs.StateError, match="nested more than"):
         pipe.set_state(state)
     assert next(pipe) == [0, 1]
+
+
+def test_a_loader_state_given_to_a_pipeline_says_what_to_call() -> None:
+    from resumable.loader_state import FORMAT, FORMAT_NAME
+
+    pipe = rs.from_list(list(range(5))).batch(2)
+    with pytest.raises(rs.StateError, match=r"rs.torch.Loader .* loader.load_state_dict"):
+        pipe.set_state({FORMAT: FORMAT_NAME, "epoch": 0, "loader": {}})
+    with pytest.raises(rs.StateError, match="resumable.elastic.restore"):
+        pipe.set_state([pipe.get_state()])  # type: ignore[arg-type]
+    assert next(pipe) == [0, 1]

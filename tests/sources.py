@@ -10,6 +10,7 @@ that only file-backed sources carry, say).
 from __future__ import annotations
 
 import atexit
+import gzip
 import json
 import os
 import shutil
@@ -22,6 +23,7 @@ import pyarrow.parquet as pq
 import resumable as rs
 
 INDEXED_KINDS = ("list", "jsonl", "parquet", "arrow", "arrow_stream")
+STREAM_KINDS = ("jsonl_stream", "jsonl_stream_gzip")
 
 _DIRECTORY = tempfile.mkdtemp(prefix="resumable-test-sources-")
 atexit.register(shutil.rmtree, _DIRECTORY, ignore_errors=True)
@@ -43,6 +45,13 @@ def indexed_source(kind: str, records: list[dict[str, Any]]) -> rs.Node[Any]:
     raise ValueError(f"unknown source kind {kind!r}")
 
 
+def stream_source(kind: str, records: list[dict[str, Any]], files: int = 3, **options: Any) -> rs.Node[Any]:
+    """A fresh ``rs.jsonl_stream`` over ``records`` split into ``files`` files, plain or gzip."""
+    parts = [records[index::files] for index in range(files)]
+    paths = [_file("jsonl_gzip" if kind == "jsonl_stream_gzip" else "jsonl", part) for part in parts if part]
+    return rs.jsonl_stream(paths, **options)
+
+
 def _file(kind: str, records: list[dict[str, Any]]) -> str:
     text = json.dumps(records, sort_keys=True)
     key = (kind, text)
@@ -50,6 +59,10 @@ def _file(kind: str, records: list[dict[str, Any]]) -> str:
         path = os.path.join(_DIRECTORY, f"{len(_WRITTEN)}.{kind}")
         if kind == "jsonl":
             with open(path, "w") as out:
+                out.writelines(json.dumps(record) + "\n" for record in records)
+        elif kind == "jsonl_gzip":
+            path += ".gz"
+            with gzip.open(path, "wt") as out:
                 out.writelines(json.dumps(record) + "\n" for record in records)
         else:
             table = pa.Table.from_pylist(records)

@@ -22,7 +22,7 @@ import resumable as rs
 from resumable import Node
 from resumable.elastic import rescaled_state
 from tests.resume import take
-from tests.sources import INDEXED_KINDS, indexed_source
+from tests.sources import INDEXED_KINDS, indexed_source, stream_source
 
 Build = Callable[[], Node[Any]]
 
@@ -52,6 +52,24 @@ def chains(kind: str) -> dict[str, Build]:
         "mix": lambda: rs.mix(
             {"a": source().shuffle(1).repeat(), "b": rs.from_list(list(range(9)))}, weights={"a": 2, "b": 1}, seed=3
         ),
+    }
+
+
+def other_chains() -> dict[str, Build]:
+    """Sources that are not indexed: file-sharded streams (plain and gzip), a torchdata graph."""
+
+    def torchdata_graph() -> Node[Any]:
+        from torchdata.nodes import IterableWrapper
+
+        from resumable.torch import FromTorchdata
+
+        return FromTorchdata(IterableWrapper(range(30))).batch(4)
+
+    return {
+        "stream": lambda: stream_source("jsonl_stream", DOCS, shuffle_files=1, rank=0, world_size=2).batch(3),
+        "stream_gzip_pack": lambda: stream_source("jsonl_stream_gzip", DOCS).pack(8, buffer_size=3).map(tokens),
+        "stream_prefetch_repeat": lambda: stream_source("jsonl_stream", DOCS).prefetch(2).repeat(2),
+        "from_torchdata": torchdata_graph,
     }
 
 
@@ -175,7 +193,7 @@ def distinct_places(state: dict[str, Any]) -> list[tuple[Any, ...]]:
     return places
 
 
-@pytest.mark.parametrize("chain", [*sorted(chains("list")), "rescaled_pack"])
+@pytest.mark.parametrize("chain", [*sorted(chains("list")), *sorted(other_chains()), "rescaled_pack"])
 def test_every_entry_of_a_state_corrupted_every_way(chain: str) -> None:
     """Each entry of a mid-epoch state (and of each list its first and last element), with
     each corruption of ``SWEEP``: a deterministic sweep that random sampling would thin out."""
@@ -184,7 +202,7 @@ def test_every_entry_of_a_state_corrupted_every_way(chain: str) -> None:
         pipe = build()
         pipe.set_state(make_state())
     else:
-        build = chains("list")[chain]
+        build = {**chains("list"), **other_chains()}[chain]
         pipe = build()
     take(pipe, 5)
     state = json.loads(json.dumps(pipe.get_state()))

@@ -356,3 +356,48 @@ def test_warnings_are_not_raised_on_normal_use(tmp_path: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         take(disk_pipe(tmp_path), N)
+
+
+def tokenize_line(record: dict[str, Any]) -> dict[str, Any]:
+    return {"id": record["id"], "input_ids": np.arange(1, 2 + record["id"] % 5, dtype=np.int64)}
+
+
+@pytest.mark.parametrize("on_disk", [False, True])
+def test_malformed_records_skipped_by_the_source_are_skipped_through_the_cache(tmp_path: Path, on_disk: bool) -> None:
+    """With on_error="skip" the cache keeps a stand-in for each malformed record, so every
+    epoch (computed or read from the cache) skips exactly what iterating the source skips; a
+    block made only of malformed records too."""
+    lines = [json.dumps({"id": i}) for i in range(30)]
+    for bad in (0, 1, 2, 3, 11, 29):  # the first block of 4 is all malformed
+        lines[bad] = '{"id": '
+    path = tmp_path / "docs.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    directory = tmp_path / "cache" if on_disk else None
+
+    def build(cached: bool, rank: int = 0) -> rs.Node[Any]:
+        pipe = rs.jsonl(str(path), on_error="skip").map(tokenize_line)
+        if cached:
+            pipe = cache(pipe, directory, block_size=4)
+        return pipe.shuffle(3).shard(rank, 2).map(plain)
+
+    expected = take(build(False), 30)
+    assert take(build(True), 30) == expected  # cold: computed, the stand-ins stored
+    assert take(build(True), 30) == expected  # warm: read from memory or disk
+    one_epoch = [item["id"] for rank in (0, 1) for item in build(True, rank)]
+    assert sorted(one_epoch) == [i for i in range(30) if i not in (0, 1, 2, 3, 11, 29)]
+    for k in (0, 3, 11, 12, 20):
+        check_resume(lambda: build(True), k, 30)
+    with pytest.raises(rs.SourceError, match="skipped as malformed"):
+        cache(rs.jsonl(str(path), on_error="skip"), directory, block_size=4).record_at(0, 11)
+    if on_disk:
+        assert any(name.endswith(".arrow") for _, _, files in os.walk(tmp_path / "cache") for name in files)
+
+
+def test_the_whole_epoch_packer_over_a_cache_skips_malformed_records(tmp_path: Path) -> None:
+    lines = [json.dumps({"id": i}) for i in range(20)]
+    lines[5] = "not json"
+    path = tmp_path / "docs.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    pipe = rs.jsonl(str(path), on_error="skip").map(tokenize_line).cache().shuffle(1).pack(6, strategy="bfd")
+    tokens = sum(int((row["document_ids"] > 0).sum()) for row in pipe)
+    assert tokens == sum(1 + i % 5 for i in range(20) if i != 5)

@@ -34,7 +34,7 @@ from typing import Any, Callable, Sequence, TypeVar
 
 import numpy as np
 
-from resumable.errors import ConfigError
+from resumable.errors import ConfigError, SourceError
 from resumable.node import IndexedNode, Node
 from resumable.ops import disk_cache
 
@@ -54,6 +54,17 @@ OBJECT_OVERHEAD = 64
 PROBE_POSITIONS = 64
 """Upstream positions compared across two epochs to detect an epoch-dependent order."""
 _MISSING = object()
+SKIPPED = disk_cache.SKIPPED
+
+
+class _SkippedRecord(Exception):
+    """Raised by the cache's decoder at a skipped record, so the cursor above skips it too."""
+
+
+def _unwrap(record: Any) -> Any:
+    if record is SKIPPED:
+        raise _SkippedRecord
+    return record
 
 
 class CacheWarning(UserWarning):
@@ -203,6 +214,7 @@ class Cache(IndexedNode[T]):
         self.max_bytes = max_bytes
         self.block_size = block_size
         self.fingerprint, fingerprinted = fingerprint(upstream)
+        self._skips = upstream.leaf.skips_malformed
         self.computed = 0
         """Records computed from the upstream by this node (not read from the cache)."""
         self._memory = LRU(max_bytes)
@@ -242,11 +254,23 @@ class Cache(IndexedNode[T]):
     def _record_fns(self) -> tuple[Callable[[Any], Any], ...]:
         return ()
 
+    @property
+    def skips_malformed(self) -> bool:
+        return self._skips
+
     def _decoder(self) -> Callable[[Any], Any] | None:
-        return None
+        # Only when the source skips malformed records: a skipped one is cached as SKIPPED, and
+        # this decoder makes the nodes above skip it as iteration over the source would.
+        return _unwrap if self._skips else None
 
     def _decode_failed(self, raw: Any, index: int, error: Exception, may_skip: bool) -> None:
-        raise error
+        if not isinstance(error, _SkippedRecord):
+            raise error
+        if not may_skip:
+            raise SourceError(
+                f"{self.kind}: record {index} was skipped as malformed (on_error='skip'); it cannot be read "
+                "by random access"
+            ) from None
 
     def _raw_at(self, indices: np.ndarray) -> Sequence[T]:
         """Final records at upstream positions ``indices``, from the cache or computed."""
@@ -305,8 +329,12 @@ class Cache(IndexedNode[T]):
         return [computed[p] if r is _MISSING else r for p, r in zip(positions, records)]
 
     def _compute(self, start: int, stop: int) -> list[Any]:
-        """Upstream records ``[start, stop)``: read raw, decode and map, as its cursor would."""
-        records = [record for _, record in self.upstream._scan(start, stop, 0, skip=False)]  # type: ignore[union-attr]
+        """Upstream records ``[start, stop)``: read raw, decode and map, as its cursor would;
+        ``SKIPPED`` where the source skipped a malformed record. The upstream holds no shuffle
+        or shard, so its positions are its leaf indices."""
+        records: list[Any] = [SKIPPED] * (stop - start)
+        for leaf, record in self.upstream._scan(start, stop, 0, skip=self._skips):  # type: ignore[union-attr]
+            records[leaf - start] = record
         self.computed += len(records)
         return records
 

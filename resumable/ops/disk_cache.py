@@ -45,6 +45,18 @@ PYTHON = "python"  # int, float, bool, str, bytes, None, lists of those -> read 
 
 _PY_TYPES = {bool: pa.bool_(), int: pa.int64(), float: pa.float64(), str: pa.string(), bytes: pa.binary()}
 _PY_TAGS = {python_type.__name__: arrow_type for python_type, arrow_type in _PY_TYPES.items()}
+SKIPPED_KEY = "skipped"
+"""Block metadata: offsets of records the source skipped as malformed (none stored for them)."""
+
+
+class _Skipped:
+    """The stand-in for a record the source skipped as malformed (``on_error="skip"``)."""
+
+    def __repr__(self) -> str:
+        return "<skipped record>"
+
+
+SKIPPED = _Skipped()
 MAX_OPEN_BLOCKS = 4096
 """Blocks kept open before the least recent is closed. An open block is a memory map plus a few
 Arrow objects (no decoded records), so random access over many blocks stays cheap."""
@@ -104,7 +116,14 @@ def _column(key: str, kind: str, tag: str, values: list[Any]) -> pa.Array:
 
 
 def encode_block(records: Sequence[Any]) -> pa.Table:
-    """An Arrow table holding ``records`` (all dicts with the same keys, or all plain values)."""
+    """An Arrow table holding ``records`` (all dicts with the same keys, or all plain values);
+    ``SKIPPED`` records are not stored, their offsets are listed in the metadata."""
+    skipped = [offset for offset, record in enumerate(records) if record is SKIPPED]
+    if skipped:
+        records = [record for record in records if record is not SKIPPED]
+    if not records:
+        meta = {"format": FORMAT, "wrapped": True, "columns": {}, SKIPPED_KEY: skipped}
+        return pa.table({}, metadata={META_KEY: json.dumps(meta)})
     wrapped = not isinstance(records[0], dict)
     rows = [{VALUE_COLUMN: r} for r in records] if wrapped else list(records)
     keys = list(rows[0])
@@ -128,7 +147,7 @@ def encode_block(records: Sequence[Any]) -> pa.Table:
     for row in rows:
         if len(row) != len(keys):
             raise ConfigError(f"Cache: records of one block have different fields (first has {keys})")
-    meta = {"format": FORMAT, "wrapped": wrapped, "columns": kinds}
+    meta = {"format": FORMAT, "wrapped": wrapped, "columns": kinds, SKIPPED_KEY: skipped}
     schema = pa.schema([pa.field(k, c.type) for k, c in zip(keys, columns)], metadata={META_KEY: json.dumps(meta)})
     return pa.Table.from_arrays(columns, schema=schema)
 
@@ -141,7 +160,8 @@ class BlockView:
         if meta.get("format") != FORMAT:
             raise ValueError("not a resumable cache block")
         table = table.combine_chunks()
-        self.num_rows = table.num_rows
+        self._skipped = np.asarray(meta.get(SKIPPED_KEY, []), dtype=np.int64)
+        self.num_rows = table.num_rows + len(self._skipped)
         self._wrapped = bool(meta["wrapped"])
         self._getters: list[tuple[str, Callable[[int], Any]]] = []
         for key, (kind, _tag) in meta["columns"].items():
@@ -149,10 +169,17 @@ class BlockView:
             array = column.chunk(0) if column.num_chunks else pa.array([], type=column.type)
             self._getters.append((key, _getter(kind, array)))
 
-    def record(self, row: int) -> Any:
+    def record(self, offset: int) -> Any:
+        """The record at ``offset`` of the block (``SKIPPED`` for a skipped one)."""
+        skipped = self._skipped
+        if len(skipped):
+            before = int(np.searchsorted(skipped, offset))
+            if before < len(skipped) and skipped[before] == offset:
+                return SKIPPED
+            offset -= before
         if self._wrapped:
-            return self._getters[0][1](row)
-        return {key: get(row) for key, get in self._getters}
+            return self._getters[0][1](offset)
+        return {key: get(offset) for key, get in self._getters}
 
 
 def _getter(kind: str, array: pa.Array) -> Callable[[int], Any]:

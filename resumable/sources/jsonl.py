@@ -81,6 +81,10 @@ class JsonlSource(FileSource[Any]):
 
     # -- state --------------------------------------------------------------------------------
 
+    @property
+    def skips_malformed(self) -> bool:
+        return self.on_error == "skip"
+
     def _config(self) -> dict[str, Any]:
         return {ON_ERROR: self.on_error}
 

@@ -45,6 +45,11 @@ class Source(IndexedNode[T]):
         """The function turning a raw record into a record; None when raw records are final."""
         return None
 
+    @property
+    def skips_malformed(self) -> bool:
+        """Whether iteration skips records the decoder rejects (``on_error="skip"``)."""
+        return False
+
     def _decode_failed(self, raw: Any, index: int, error: Exception, may_skip: bool) -> None:
         """Handle a record the decoder rejected: raise a SourceError, or return to skip it
         (only when ``may_skip``: random access never skips)."""

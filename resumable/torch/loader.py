@@ -81,8 +81,7 @@ class Loader(StatefulDataLoader):
                 f"up to that many batches minus one), got {every!r}"
             )
         dataset = pipeline if isinstance(pipeline, PipelineDataset) else PipelineDataset(pipeline)
-        if workers_ignore_sigterm:
-            worker_init_fn = functools.partial(init_worker, worker_init_fn)
+        worker_init_fn = functools.partial(init_worker, worker_init_fn, ignore_others_sigterm=workers_ignore_sigterm)
         with warnings.catch_warnings():  # torchdata calls a deprecated torch function here
             warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
             super().__init__(

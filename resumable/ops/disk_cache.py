@@ -5,7 +5,7 @@ Layout under ``<directory>/<fingerprint>/``::
     config.json                      the upstream's configuration the fingerprint hashes (for people)
     000000000000-000000001024.arrow  records [0, 1024): one Arrow IPC file, one record batch
     000000001024-000000002048.arrow  records [1024, 2048)
-    .000000002048-000000003072.arrow.XXXX.tmp   a write in progress or left by a crash (ignored)
+    .000000002048-000000003072.arrow.partial    a write in progress, or left by a crash until that block is written
 
 Block ``b`` holds records ``[b * block_size, min((b + 1) * block_size, length))``. A block is
 computed as a whole the first time any of its records is asked for, written to a temporary file,

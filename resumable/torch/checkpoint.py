@@ -11,7 +11,11 @@ from resumable.checkpoint import write_atomically
 
 
 def save(checkpoint: dict[str, Any], path: str | os.PathLike[str]) -> None:
-    """``torch.save`` to a temporary file, fsync, rename: a crash keeps the previous file."""
+    """``torch.save`` to a temporary file, fsync, rename: a crash keeps the previous file.
+
+    Missing directories are created, and the file's mode follows the umask as ``torch.save``'s
+    does, so that other users' jobs (evaluation) can read it where the umask lets them.
+    """
     write_atomically(path, lambda out: torch.save(checkpoint, out))
 
 

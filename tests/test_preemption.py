@@ -1,11 +1,19 @@
 """The training example killed again and again: the optimiser consumes exactly the batches of
-an uninterrupted run (none lost, none repeated) and ends with bit-identical weights."""
+an uninterrupted run (none lost, none repeated) and ends with bit-identical weights; a trainer
+killed alone leaves none of its DataLoader workers behind."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import random
 import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
+
+from tests.watching import running, wait_until
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 STEPS = 90
@@ -43,3 +51,41 @@ def test_sigterm_saves_a_checkpoint_at_the_current_step(tmp_path: Path) -> None:
 
     checkpoint = rst.load(run / "checkpoint.pt")
     assert checkpoint["step"] == demo.log_lines(run) >= 7  # the checkpoint covers every logged step
+
+
+def session_processes(session: int) -> list[int]:
+    """The live processes of a session (a job started in its own keeps it in its orphans too)."""
+    found = []
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{name}/stat") as stat:
+                fields = stat.read().rpartition(")")[2].split()
+        except FileNotFoundError:  # exited meanwhile
+            continue
+        if int(fields[3]) == session and running(int(name)):  # fields[3]: the session id
+            found.append(int(name))
+    return found
+
+
+def test_a_trainer_killed_alone_at_random_moments_leaves_no_worker(tmp_path: Path) -> None:
+    """The first kill lands at a step and measures a restart; the others at random moments of
+    the restart (which resumes, then starts the workers)."""
+    demo = load_demo()
+    run = tmp_path / "runs" / "trainer-only"
+    command = [sys.executable, str(demo.TRAIN), "--run-dir", str(run), "--steps", str(STEPS)]
+    rng = random.Random(4)
+    restart_s = 0.0
+    for kill in range(4):
+        first_new_step = demo.log_lines(run) + 1
+        launched = time.monotonic()
+        trainer = subprocess.Popen(command, start_new_session=True, stdout=subprocess.DEVNULL)
+        if kill == 0:
+            wait_until(lambda: trainer.poll() is not None or demo.log_lines(run) >= first_new_step, "a step")
+            restart_s = time.monotonic() - launched
+            assert len(session_processes(trainer.pid)) > 1  # the trainer and its workers
+        else:
+            time.sleep(rng.uniform(0.5, 1.2) * restart_s)
+        assert trainer.poll() is None
+        trainer.kill()  # the trainer alone, not its process group
+        trainer.wait()
+        wait_until(lambda: session_processes(trainer.pid) == [], "the workers to die with their trainer")

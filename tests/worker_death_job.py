@@ -8,7 +8,7 @@ Usage: python worker_death_job.py MODE START_METHOD [ARGS]. Every mode prints on
   orphaned descendant becomes its child: it waits for all of them to exit and reports
   ``{"orphans": n, "survivors": [...]}``, survivors being those still running after
   ``HANG_GUARD_S`` (killed then, so that nothing is left behind).
-- ``late_start START_METHOD``: this process (the trainer) starts one worker and dies; the
+- ``late_start START_METHOD FLAG``: this process (the trainer) starts one worker and dies; the
   worker waits until it is gone and only then ties itself to it, as a worker that was slow to
   start does. Prints ``{"worker": pid}``; the worker prints ``{"survived": true}`` if it did.
 - ``sigterm_filter START_METHOD``: starts one worker with the SIGTERM filter alone (no death
@@ -117,10 +117,14 @@ def kill_children(survivors: list[str]) -> None:
 
 
 def start_late(ignore_others_sigterm: bool) -> None:
-    """A worker whose trainer died before it was tied to it."""
-    trainer = multiprocessing.parent_process()
-    assert trainer is not None
-    trainer.join()  # its sentinel: returns once the trainer has exited
+    """A worker whose trainer died before it was tied to it.
+
+    It waits until the trainer is gone for good (reparented: its sentinel closes a moment
+    earlier, and a worker tied to it in between dies too, by the death notice, just not here).
+    """
+    trainer = Trainer.of_this_process()
+    while not trainer.gone():
+        time.sleep(0.01)
     init_worker(None, 0, ignore_others_sigterm=ignore_others_sigterm)
     print(json.dumps({"survived": True}), flush=True)
 

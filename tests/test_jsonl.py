@@ -249,14 +249,14 @@ def test_read_only_data_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     path = write(data / "a.jsonl", records(10))
     cache = tmp_path / "cache"
     monkeypatch.setenv("RESUMABLE_CACHE_DIR", str(cache))
-    create_temp = line_index._create_temp
+    write_atomically = line_index.write_atomically
 
-    def refuse_data_dir(directory: str, name: str) -> tuple[int, str]:
-        if Path(directory).resolve() == data.resolve():
-            raise PermissionError(13, "Permission denied", directory)
-        return create_temp(directory, name)
+    def refuse_data_dir(path: str, write: Any) -> None:
+        if Path(path).parent.resolve() == data.resolve():
+            raise PermissionError(13, "Permission denied", str(data))
+        write_atomically(path, write)
 
-    monkeypatch.setattr(line_index, "_create_temp", refuse_data_dir)
+    monkeypatch.setattr(line_index, "write_atomically", refuse_data_dir)
     pipe = rs.jsonl(path).shuffle(1)
     head = take(pipe, 4)
     assert not (data / "a.jsonl.rsidx").exists()

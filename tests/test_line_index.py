@@ -8,7 +8,7 @@ import os
 import stat
 import warnings
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import pytest
@@ -240,7 +240,7 @@ def test_open_writes_sidecar_and_reuses_it(tmp_path: Path, monkeypatch: pytest.M
     entries = first.num_records + 1
     assert os.path.getsize(first.sidecar) == HEADER.size + 8 * entries + 8 * -(-entries // BLOCK_ENTRIES)
     assert not (tmp_path / "cache").exists()
-    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith((".tmp", ".partial"))] == []
     mtime = os.stat(first.sidecar).st_mtime_ns
 
     forbid_build(monkeypatch)
@@ -471,14 +471,15 @@ def refuse_dir(monkeypatch: pytest.MonkeyPatch, refused: list[Path] | None) -> N
 
     Tests may run as root, which writes into 0o555 directories, so permissions are simulated.
     """
-    original = line_index._create_temp
+    original = line_index.write_atomically
 
-    def create_temp(directory: str, name: str) -> tuple[int, str]:
-        if refused is None or Path(directory).resolve() in {r.resolve() for r in refused}:
-            raise PermissionError(13, "Permission denied", directory)
-        return original(directory, name)
+    def write_atomically(path: str, write: Any) -> None:
+        directory = Path(path).parent
+        if refused is None or directory.resolve() in {r.resolve() for r in refused}:
+            raise PermissionError(13, "Permission denied", str(directory))
+        original(path, write)
 
-    monkeypatch.setattr(line_index, "_create_temp", create_temp)
+    monkeypatch.setattr(line_index, "write_atomically", write_atomically)
 
 
 def test_read_only_dir_falls_back_to_cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -586,7 +587,7 @@ def test_concurrent_opens_agree(tmp_path: Path) -> None:
     expected = reference(data)[0]
     assert all(index.starts.tolist() == expected for index in indexes)
     assert LineIndex._load(path, path + SIDECAR_SUFFIX, len(data), os.stat(path).st_mtime_ns) is not None
-    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith((".tmp", ".partial"))] == []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -623,3 +624,15 @@ def test_line_number_out_of_range(tmp_path: Path) -> None:
         with pytest.raises(IndexError):
             index.line_number(bad)
     assert index.line_number(np.int64(1)) == 3
+
+
+def test_a_killed_builds_temporary_is_removed_by_the_next_build(tmp_path: Path) -> None:
+    """The sidecar is written like a checkpoint file: a build killed mid-write leaves its one
+    temporary, unlocked, and the next build of that sidecar removes it (no leak per crash)."""
+    path = write(tmp_path, DATA)
+    left = tmp_path / f".{os.path.basename(path)}{SIDECAR_SUFFIX}.partial"
+    left.write_bytes(b"half a sidecar")
+    index = LineIndex.open(path)
+    check(index, DATA)
+    assert not left.exists()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []

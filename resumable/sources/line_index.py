@@ -22,15 +22,15 @@ import operator
 import os
 import stat
 import struct
-import tempfile
 import warnings
 from collections.abc import Callable
-from typing import SupportsIndex
+from typing import IO, SupportsIndex
 
 import numpy as np
 import numpy.typing as npt
 import xxhash
 
+from resumable.checkpoint import write_atomically
 from resumable.errors import ConfigError, SourceError
 from resumable.sources.files import REMEDY, reading
 
@@ -59,7 +59,6 @@ DEFAULT_CACHE_DIR = os.path.join("~", ".cache", "resumable", "index")
 CACHE_NAME_CHARS = 80
 """Longest piece of the data file's basename kept in a cache sidecar's name (readability only)."""
 CACHE_HASH_CHARS = 16
-SIDECAR_MODE = 0o644
 
 SIDECAR_MAGIC = b"RSLNIDX\x00"
 FORMAT_VERSION = 2
@@ -483,11 +482,6 @@ def _cache_sidecar(path: str, cache_dir: str | None) -> str:
     return os.path.join(root, f"{name}.{digest}{SIDECAR_SUFFIX}")
 
 
-def _create_temp(directory: str, name: str) -> tuple[int, str]:
-    """Create a temp file beside the sidecar ``name``; OSError when ``directory`` is not writable."""
-    return tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
-
-
 def _pack_header(index: LineIndex) -> bytes:
     """The sidecar header of ``index``, checksum included."""
     flags = FLAG_HAS_BOM if index.has_bom else 0
@@ -514,26 +508,17 @@ def _block_checksums(starts: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
 
 
 def _write_sidecar(sidecar: str, index: LineIndex) -> np.memmap:
-    """Store ``index`` at ``sidecar`` atomically (temp file, fsync, rename); return its memmap.
+    """Store ``index`` at ``sidecar`` atomically (``write_atomically``: a temporary, fsync, rename,
+    and a killed build's temporary removed by the next one); return its memmap.
 
     Concurrent writers each rename a complete file, so readers never see a partial one.
     """
-    directory = os.path.dirname(sidecar) or os.curdir
-    os.makedirs(directory, exist_ok=True)
-    fd, temp = _create_temp(directory, os.path.basename(sidecar))
     starts = np.ascontiguousarray(index.starts, dtype=OFFSET_DTYPE)
-    try:
-        with os.fdopen(fd, "w+b") as stored:
-            stored.write(_pack_header(index))
-            stored.write(starts.view(np.uint8).data)
-            stored.write(_block_checksums(starts).view(np.uint8).data)
-            stored.flush()
-            os.fsync(stored.fileno())
-            mapped = np.memmap(stored, dtype=OFFSET_DTYPE, mode="r", offset=HEADER.size, shape=starts.shape)
-        os.chmod(temp, SIDECAR_MODE)
-        os.replace(temp, sidecar)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temp)
-        raise
-    return mapped
+
+    def write(stored: IO[bytes]) -> None:
+        stored.write(_pack_header(index))
+        stored.write(starts.view(np.uint8).data)
+        stored.write(_block_checksums(starts).view(np.uint8).data)
+
+    write_atomically(sidecar, write)
+    return np.memmap(sidecar, dtype=OFFSET_DTYPE, mode="r", offset=HEADER.size, shape=starts.shape)

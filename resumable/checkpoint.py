@@ -141,8 +141,9 @@ def load_state(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         with open(path, "rb") as handle:
             state = json.loads(handle.read())
-    except (OSError, ValueError) as error:
-        raise StateError(f"{os.fspath(path)}: cannot read a state: {error}") from error
+    except (OSError, ValueError, RecursionError) as error:
+        raise StateError(f"{os.fspath(path)}: cannot read a state: {type(error).__name__}: {error}") from error
     if not isinstance(state, dict):
         raise StateError(f"{os.fspath(path)}: a state is a JSON object, got {type(state).__name__}")
+    check_json(state, os.fspath(path))
     return state

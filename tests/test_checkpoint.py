@@ -51,6 +51,12 @@ def test_unreadable_state_files_are_state_errors(tmp_path: Path) -> None:
         rs.load_state(tmp_path / "list.json")
     with pytest.raises(rs.StateError, match="missing.json"):
         rs.load_state(tmp_path / "missing.json")
+    (tmp_path / "deep.json").write_text('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(rs.StateError, match="deep.json"):
+        rs.load_state(tmp_path / "deep.json")
+    (tmp_path / "nested.json").write_text('{"a": ' + "[" * 300 + "]" * 300 + "}")
+    with pytest.raises(rs.StateError, match="nested more than"):
+        rs.load_state(tmp_path / "nested.json")
 
 
 def test_failed_write_keeps_the_previous_file_and_no_temporaries(tmp_path: Path) -> None:

@@ -29,7 +29,7 @@ from typing import Any, Sequence
 from resumable.errors import ConfigError, StateError
 from resumable.node import EPOCH, LENGTH, POSITION, IndexedNode, Node
 from resumable.ops.map import IndexedMap
-from resumable.order.elastic import Remap, merge, rescale
+from resumable.order.elastic import MAX_POSITION, Remap, merge, rescale
 from resumable.order.partition import shard_size
 from resumable.order.shard import REMAP, Shard
 from resumable.order.topology import NUM_WORKERS, RANK, WORKER, WORLD_SIZE, Topology
@@ -41,6 +41,7 @@ from resumable.state import (
     check_header,
     check_json,
     require,
+    require_count,
     require_shared_epoch,
 )
 
@@ -141,7 +142,7 @@ def _rescale_node(
 def _rescale_indexed(cursor: IndexedNode[Any], olds: list[dict[str, Any]], path: str) -> dict[str, Any]:
     """The cursor's new state: position 0 of this consumer's stride over what was left."""
     epoch = require_shared_epoch(olds, EPOCH, path)
-    cursors = [require(old, POSITION, int, path) for old in olds]
+    cursors = [require_count(old, POSITION, path, upper=MAX_POSITION) for old in olds]
 
     chain: list[tuple[IndexedNode[Any], list[dict[str, Any]], str]] = []
     node: IndexedNode[Any] | None = cursor
@@ -184,4 +185,7 @@ def _new_remap(shard: Shard[Any], olds: list[dict[str, Any]], epoch: int, cursor
     if previous is not None and previous.epoch != epoch:
         previous = None  # a remap of an earlier epoch, no longer in use
     space = previous.length if previous is not None else len(shard.upstream)  # type: ignore[arg-type]
-    return rescale(previous, epoch, space, cursors)
+    try:
+        return rescale(previous, epoch, space, cursors)
+    except StateError as error:
+        raise StateError(f"{path}: {error}") from error

@@ -309,3 +309,14 @@ def test_malformed_inherited_pieces_are_state_errors(inherited: Any) -> None:
     del state["inherited"]
     with pytest.raises(rs.StateError, match="inherited"):
         build().set_state(state)
+
+
+@pytest.mark.parametrize("position", [2**63, 10**30, -1, 1000])
+def test_an_old_cursor_out_of_range_is_a_state_error_naming_the_node(position: int) -> None:
+    docs = documents(40)
+    build = CHAINS["shard"]
+    old = [build(rs.from_list(docs), c, 2) for c in range(2)]
+    states = [json.loads(json.dumps(pipe.get_state())) for pipe in old]
+    states[1]["position"] = position  # the cursor: the map over the shard
+    with pytest.raises(rs.StateError, match="IndexedMap"):
+        restore(build(rs.from_list(docs), 0, 3), states)

@@ -96,7 +96,7 @@ def main() -> None:
         began = time.perf_counter()
         loaded = LineIndex.open(path)
         loads.append(time.perf_counter() - began)
-    if not isinstance(loaded.starts, np.memmap) or not np.array_equal(loaded.starts, index.starts):
+    if not loaded.mapped or not np.array_equal(loaded.starts, index.starts):
         raise SystemExit("sidecar load did not give the built index")
     print(
         f"LineIndex.open, fresh sidecar (memmap): median {statistics.median(loads) * 1e3:.3f} ms, "

@@ -236,7 +236,7 @@ def test_open_writes_sidecar_and_reuses_it(tmp_path: Path, monkeypatch: pytest.M
     first = LineIndex.open(path, cache_dir=str(tmp_path / "cache"))
     check(first, DATA)
     assert first.sidecar == path + SIDECAR_SUFFIX
-    assert isinstance(first.starts, np.memmap)
+    assert first.mapped
     entries = first.num_records + 1
     assert os.path.getsize(first.sidecar) == HEADER.size + 8 * entries + 8 * -(-entries // BLOCK_ENTRIES)
     assert not (tmp_path / "cache").exists()
@@ -248,7 +248,7 @@ def test_open_writes_sidecar_and_reuses_it(tmp_path: Path, monkeypatch: pytest.M
     second = LineIndex.open(path, cache_dir=str(tmp_path / "cache"), progress=calls.append)
     assert calls == []  # nothing read
     check(second, DATA)
-    assert isinstance(second.starts, np.memmap)
+    assert second.mapped
     assert second.sidecar == first.sidecar
     assert os.stat(second.sidecar).st_mtime_ns == mtime
 
@@ -495,7 +495,7 @@ def test_read_only_dir_falls_back_to_cache_dir(tmp_path: Path, monkeypatch: pyte
     assert not Path(path + SIDECAR_SUFFIX).exists()
     forbid_build(monkeypatch)
     again = LineIndex.open(path, cache_dir=str(cache))
-    assert again.sidecar == index.sidecar and isinstance(again.starts, np.memmap)
+    assert again.sidecar == index.sidecar and again.mapped
 
 
 @pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root ignores directory permissions")
@@ -564,7 +564,7 @@ def test_nothing_writable_keeps_index_in_memory(tmp_path: Path, monkeypatch: pyt
     with pytest.warns(SidecarWarning, match="in memory") as record:
         index = LineIndex.open(path, cache_dir=str(tmp_path / "cache"))
     assert len(record) == 1
-    assert index.sidecar is None and not isinstance(index.starts, np.memmap)
+    assert index.sidecar is None and not index.mapped
     check(index, DATA)
     assert [p.name for p in tmp_path.rglob("*") if p.is_file()] == ["data.jsonl"]
 

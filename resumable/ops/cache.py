@@ -280,17 +280,31 @@ class Cache(IndexedNode[T]):
         return self._from_memory(positions)
 
     def _from_disk(self, positions: list[int]) -> list[T]:
-        records: list[Any] = []
+        """Records at ``positions`` from their blocks, computing and storing missing blocks.
+
+        Each block is checked once per call (``DiskStore.view``: its file still has its mapped
+        size), right before its records are read. If a block had to be computed, which takes a
+        while, the blocks checked before it are checked again."""
         size = self.block_size
-        block, view = -1, None
-        for position in positions:
-            if position // size != block:
-                block = position // size
-                view = self._block(block)
-                if view is None:  # the directory stopped being writable: memory from now on
-                    return records + self._from_memory(positions[len(records) :])
-            records.append(view.record(position - block * size))  # type: ignore[union-attr]
-        return records
+        blocks = list(dict.fromkeys(position // size for position in positions))
+        computed = self.computed
+        views = self._views(blocks)
+        if views is not None and self.computed != computed:
+            views = self._views(blocks)
+        if views is None:  # the directory stopped being writable: memory from now on
+            return self._from_memory(positions)
+        return [views[position // size].record(position % size) for position in positions]
+
+    def _views(self, blocks: list[int]) -> dict[int, disk_cache.BlockView] | None:
+        """The views of ``blocks`` (computed and stored where missing), or None once the
+        directory stops being writable."""
+        views = {}
+        for block in blocks:
+            view = self._block(block)
+            if view is None:
+                return None
+            views[block] = view
+        return views
 
     def _block(self, block: int) -> disk_cache.BlockView | None:
         disk = self._disk

@@ -15,11 +15,16 @@ Two processes that compute the same block write identical bytes and the last ren
 Each file is self-describing: the schema's metadata says how each column maps back to the
 Python value the map produced (see ``encode_block`` / ``BlockView``), so reading record ``i``
 is one dict lookup for the block plus one slice per column.
+
+Block files are memory-mapped. A file cut short in place while mapped would kill the process
+(SIGBUS) when a record past its new end is read, so a view is handed out only after an ``fstat``
+shows its file still has the size it was mapped with; one that changed is computed again.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import re
 from collections import OrderedDict
@@ -153,9 +158,11 @@ def encode_block(records: Sequence[Any]) -> pa.Table:
 
 
 class BlockView:
-    """Records of one block, read from an Arrow table (memory-mapped when it came from disk)."""
+    """Records of one block, read from an Arrow table (memory-mapped when it came from disk:
+    ``mapping`` is then the map its buffers view)."""
 
-    def __init__(self, table: pa.Table) -> None:
+    def __init__(self, table: pa.Table, mapping: mmap.mmap | None = None) -> None:
+        self._mapping = mapping
         meta = json.loads((table.schema.metadata or {}).get(META_KEY, b"{}"))
         if meta.get("format") != FORMAT:
             raise ValueError("not a resumable cache block")
@@ -168,6 +175,12 @@ class BlockView:
             column = table.column(key)
             array = column.chunk(0) if column.num_chunks else pa.array([], type=column.type)
             self._getters.append((key, _getter(kind, array)))
+
+    def intact(self) -> bool:
+        """Whether the block's file still has the size it was mapped with (always true in
+        memory): reading a map past the end of a file cut short kills the process (SIGBUS)."""
+        mapping = self._mapping
+        return mapping is None or mapping.size() == len(mapping)
 
     def record(self, offset: int) -> Any:
         """The record at ``offset`` of the block (``SKIPPED`` for a skipped one)."""
@@ -236,15 +249,20 @@ class DiskStore:
         return os.path.join(self.root, block_name(*self.bounds(block)))
 
     def view(self, block: int) -> BlockView | None:
-        """The block's records if its file exists and is intact, else None (compute it)."""
+        """The block's records if its file exists and is intact, else None (compute it). An open
+        view is checked first: one whose file changed size (cut short) is dropped."""
         view = self._views.get(block)
         if view is not None:
-            self._views.move_to_end(block)
-            return view
+            if view.intact():
+                self._views.move_to_end(block)
+                return view
+            del self._views[block]
+            self.known.discard(block)
+            return None
         try:
-            with pa.memory_map(self.path(block), "r") as source:
-                table = pa.ipc.open_file(source).read_all()
-            view = BlockView(table)
+            with open(self.path(block), "rb") as handle:
+                mapping = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+            view = BlockView(pa.ipc.open_file(pa.py_buffer(mapping)).read_all(), mapping)
         except (OSError, ValueError, KeyError, pa.ArrowException):
             self.known.discard(block)
             return None

@@ -9,19 +9,23 @@
 * ``rs.from_hf(dataset)`` reads a map-style ``datasets.Dataset`` without copying it: the
   dataset's own memory-mapped Arrow table and its indices mapping (after ``select``,
   ``shuffle``, ``filter``), so record ``i`` equals ``dataset[i]`` (as Python objects).
+
+Reading a memory map past the end of a file cut short kills the process (SIGBUS), so every
+mapped file is checked (a ``stat``: size and mtime) before its batches are read; a file that
+changed is a ``SourceError``.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 import pyarrow as pa
 import xxhash
 
 from resumable.errors import ConfigError, SourceError, StateError
-from resumable.sources.files import Paths, WatchedFiles, expand_paths, reading
+from resumable.sources.files import NAME, Paths, WatchedFiles, expand_paths, reading
 from resumable.sources.parquet import group_take
 from resumable.sources.source import FileSource
 
@@ -60,6 +64,26 @@ def _read_batches(path: str, kind: str) -> list[pa.RecordBatch]:
 
 def _offsets(counts: Sequence[int]) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(np.asarray(counts, dtype=np.int64))]).astype(np.int64)
+
+
+def _mapped_files(data: Any, batch_starts: np.ndarray, watched: dict[str, int]) -> list[list[int]]:
+    """For each record batch of a ``datasets`` table (rows ``batch_starts[i]:batch_starts[i+1]``),
+    the ``watched`` files (by index) its rows are memory-mapped from.
+
+    The table is a ``MemoryMappedTable`` (one file, its ``path``), an ``InMemoryTable`` (none),
+    or a ``ConcatenationTable`` whose ``blocks`` are rows stacked vertically, each a horizontal
+    concatenation of such tables. Where the rows of blocks do not add up to the table's rows,
+    every batch is given every file."""
+    rows_of_blocks = getattr(data, "blocks", None) or [[data]]
+    row_counts = [blocks[0].num_rows if blocks else 0 for blocks in rows_of_blocks]
+    if sum(row_counts) != batch_starts[-1]:
+        return [list(watched.values())] * (len(batch_starts) - 1)
+    paths = [[getattr(block, "path", None) for block in blocks] for blocks in rows_of_blocks]
+    files = [sorted({watched[path] for path in row if path in watched}) for row in paths]
+    block_starts = _offsets(row_counts)
+    first = np.searchsorted(block_starts, batch_starts[:-1], side="right") - 1
+    last = np.searchsorted(block_starts, batch_starts[1:] - 1, side="right") - 1
+    return [sorted({f for row in range(a, b + 1) for f in files[row]}) for a, b in zip(first.tolist(), last.tolist())]
 
 
 class ArrowSource(FileSource[dict[str, Any]]):
@@ -161,6 +185,7 @@ class HfSource(FileSource[dict[str, Any]]):
         self._batches: list[pa.RecordBatch] | None = None
         self._valid: list[bool] = []
         self._rows: np.ndarray | None = None
+        self._batch_files: list[list[int]] = []
         self._open_table()
         features = dataset.features
         from datasets.features.features import require_decoding
@@ -170,13 +195,17 @@ class HfSource(FileSource[dict[str, Any]]):
         )
 
     def _open_table(self) -> None:
-        """Record batches of the dataset's table and its indices mapping (zero-copy views)."""
+        """Record batches of the dataset's table (zero-copy views), the cache files each is
+        mapped from, and its indices mapping (copied: read once, here, after checking the files)."""
+        self._files.check_all()
         table: pa.Table = self.dataset.data.table
         self._batches = [batch for batch in table.to_batches() if batch.num_rows]
         self._valid = [False] * len(self._batches)
         self._batch_starts = _offsets([batch.num_rows for batch in self._batches])
+        watched = {fingerprint[NAME]: file for file, fingerprint in enumerate(self._files.fingerprints)}
+        self._batch_files = _mapped_files(self.dataset.data, self._batch_starts, watched)
         mapping = self.dataset._indices
-        self._rows = None if mapping is None else mapping.column(0).to_numpy().astype(np.int64, copy=False)
+        self._rows = None if mapping is None else mapping.column(0).to_numpy().astype(np.int64)
 
     def __len__(self) -> int:
         return self._total
@@ -196,8 +225,15 @@ class HfSource(FileSource[dict[str, Any]]):
 
     # -- reading ------------------------------------------------------------------------------
 
+    def _check_files(self, batches: Iterable[int]) -> None:
+        """Check, once each, the cache files that record ``batches`` are mapped from (a file cut
+        short under a memory map would crash the process on reading)."""
+        for file in sorted({file for batch in batches for file in self._batch_files[batch]}):
+            self._files.check(file)
+
     def _batch(self, index: int) -> pa.RecordBatch:
-        """Record batch ``index`` of the dataset's table, validated on first use."""
+        """Record batch ``index`` of the dataset's table, validated on first use. Its files are
+        checked by the caller (``_check_files``)."""
         if self._batches is None:
             self._open_table()
         batch = self._batches[index]  # type: ignore[index]
@@ -219,11 +255,14 @@ class HfSource(FileSource[dict[str, Any]]):
             return self._raw_at(np.arange(start, start + count, dtype=np.int64))
         index = int(np.searchsorted(self._batch_starts, start, side="right")) - 1
         row = start - int(self._batch_starts[index])
+        self._check_files((index,))
         batch = self._batch(index)
         return batch.slice(row, min(count, batch.num_rows - row)).to_pylist()  # type: ignore[no-any-return]
 
     def _raw_at(self, indices: np.ndarray) -> Sequence[dict[str, Any]]:
-        return group_take(self._table_rows(indices), self._batch_starts, self._batch)
+        rows = self._table_rows(indices)
+        self._check_files(np.unique(np.searchsorted(self._batch_starts, rows, side="right") - 1).tolist())
+        return group_take(rows, self._batch_starts, self._batch)
 
     def _decoder(self) -> Callable[[Any], Any] | None:
         return self._features_decode
@@ -237,6 +276,7 @@ class HfSource(FileSource[dict[str, Any]]):
         state = self.__dict__.copy()
         state["_batches"] = None
         state["_rows"] = None
+        state["_batch_files"] = []
         return state
 
 

@@ -138,7 +138,7 @@ class JsonlSource(FileSource[Any]):
     def _slices(self, file: int, local: np.ndarray) -> list[bytes]:
         mapped = self._map(file)
         index = self._index(file)
-        starts, ends = index.offsets_at(local).tolist(), index.offsets_at(local + 1).tolist()
+        starts, ends = index.offsets_at(np.stack((local, local + 1))).tolist()
         return [mapped[a:b] for a, b in zip(starts, ends)]
 
     def _decoder(self) -> Callable[[Any], Any]:

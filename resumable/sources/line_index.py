@@ -9,7 +9,9 @@ lets a file whose mtime changed but whose content did not be recognised as the s
 A sidecar is never trusted blindly: its header carries a checksum, its size and first and last
 offsets must fit the header and the data file, and every block of ``BLOCK_ENTRIES`` offsets has
 its own checksum, verified the first time the block is used (so opening stays O(1) however large
-the index). A sidecar that fails a check is rebuilt, with a warning.
+the index). A sidecar that fails a check is rebuilt, with a warning. So is one cut short in place
+while it is memory-mapped: its size is checked (an ``fstat``) before every read of the map, since
+reading a map past the end of its file kills the process (SIGBUS).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import contextlib
 import functools
 import hashlib
 import io
+import mmap
 import operator
 import os
 import stat
@@ -111,6 +114,7 @@ class LineIndex:
         starts: npt.NDArray[np.uint64],
         sidecar: str | None,
         block_checksums: npt.NDArray[np.uint64] | None = None,
+        mapping: mmap.mmap | None = None,
     ) -> None:
         self.path = path
         self.size = size
@@ -120,7 +124,7 @@ class LineIndex:
         self.has_bom = has_bom
         self.content = content
         self.sidecar = sidecar
-        self._use(starts, block_checksums)
+        self._use(starts, mapping, block_checksums)
 
     def __len__(self) -> int:
         return self.num_records
@@ -130,6 +134,11 @@ class LineIndex:
             f"LineIndex(path={self.path!r}, num_records={self.num_records}, "
             f"blank_lines={self.blank_lines}, has_bom={self.has_bom}, sidecar={self.sidecar!r})"
         )
+
+    @property
+    def mapped(self) -> bool:
+        """Whether the offsets are read through a memory map of the sidecar (else from memory)."""
+        return self._mapping is not None
 
     @property
     def content_digest(self) -> str:
@@ -154,7 +163,7 @@ class LineIndex:
         built = cls.build(path, progress)
         for sidecar in sidecars:
             try:
-                built._use(_write_sidecar(sidecar, built), None)
+                built._use(*_write_sidecar(sidecar, built), None)
             except OSError:
                 continue
             built.sidecar = sidecar
@@ -225,26 +234,36 @@ class LineIndex:
 
     def offsets(self, first: int, stop: int) -> npt.NDArray[np.uint64]:
         """``starts[first:stop]``, its blocks verified."""
+        if self._mapping is not None:
+            self._check_mapping(self._mapping)
         if self._unverified and stop > first:
             entries = self._block_entries
             for block in range(first // entries, (stop - 1) // entries + 1):
                 self._verify(block)
-        return self._offsets[first:stop]
+        return self.starts[first:stop]
 
     def offsets_at(self, entries: npt.NDArray[np.int64]) -> npt.NDArray[np.uint64]:
-        """``starts[entries]``, their blocks verified."""
+        """``starts[entries]`` (an array of any shape), their blocks verified."""
+        if self._mapping is not None:
+            self._check_mapping(self._mapping)
         if self._unverified:
             blocks = entries // self._block_entries
             for block in sorted(set(blocks[~self._verified[blocks]].tolist())):
                 self._verify(block)
-        return self._offsets[entries]
+        return self.starts[entries]
 
-    def _use(self, starts: npt.NDArray[np.uint64], block_checksums: npt.NDArray[np.uint64] | None) -> None:
+    def _use(
+        self,
+        starts: npt.NDArray[np.uint64],
+        mapping: mmap.mmap | None,
+        block_checksums: npt.NDArray[np.uint64] | None,
+    ) -> None:
         """Read offsets from ``starts``, each block verified against ``block_checksums`` before
-        its first use; None: every block is trusted (an index built by this process)."""
+        its first use; None: every block is trusted (an index built by this process).
+        ``mapping`` is the sidecar's memory map that ``starts`` views, None when in memory."""
         self.starts = starts
-        self._offsets = starts.view(np.ndarray)  # slicing a memmap's plain view is ten times cheaper
-        self._block_checksums = None if block_checksums is None else block_checksums.view(np.ndarray)
+        self._mapping = mapping
+        self._block_checksums = block_checksums
         self._block_entries = BLOCK_ENTRIES
         blocks = 0 if block_checksums is None else len(block_checksums)
         self._verified = np.zeros(blocks, dtype=np.bool_)
@@ -256,11 +275,18 @@ class LineIndex:
         if checksums is None or self._verified[block]:
             return
         entries = self._block_entries
-        if checksum(self._offsets[block * entries : (block + 1) * entries].data) != int(checksums[block]):
+        if checksum(self.starts[block * entries : (block + 1) * entries].data) != int(checksums[block]):
             self._rebuild(f"block {block} of its offsets fails its checksum")
             return
         self._verified[block] = True
         self._unverified -= 1
+
+    def _check_mapping(self, mapping: mmap.mmap) -> None:
+        """Rebuild the index if its sidecar changed size in place while memory-mapped: reading a
+        map past the end of its file kills the process (SIGBUS). ``mmap.size`` is an ``fstat``."""
+        size = mapping.size()
+        if size != len(mapping):
+            self._rebuild(f"its size went from {len(mapping)} to {size} bytes while in use")
 
     def _rebuild(self, reason: str) -> None:
         """Replace a corrupt sidecar's offsets by a fresh build of the same data file."""
@@ -278,8 +304,8 @@ class LineIndex:
             )
         if self.sidecar is not None:
             with contextlib.suppress(OSError):
-                built._use(_write_sidecar(self.sidecar, built), None)
-        self._use(built.starts, None)
+                built._use(*_write_sidecar(self.sidecar, built), None)
+        self._use(built.starts, built._mapping, None)
 
     def line_number(self, record: SupportsIndex) -> int:
         """The 1-based line of ``record`` in the file, for error messages (reads up to the record)."""
@@ -333,7 +359,7 @@ class LineIndex:
             expected = HEADER.size + OFFSET_DTYPE.itemsize * entries + CHECKSUM_DTYPE.itemsize * blocks
             if flags & ~FLAG_HAS_BOM or stored_size != expected:
                 raise _CorruptSidecar(f"{stored_size} bytes where its header implies {expected}")
-            body = np.memmap(stored, dtype=OFFSET_DTYPE, mode="r", offset=HEADER.size, shape=(entries + blocks,))
+            mapping, body = _map_body(stored, entries + blocks)
             starts, block_checksums = body[:entries], body[entries:].view(CHECKSUM_DTYPE)  # one memory map
         has_bom = bool(flags & FLAG_HAS_BOM)
         first_allowed = len(UTF8_BOM) if has_bom else 0
@@ -349,6 +375,7 @@ class LineIndex:
             starts=starts,
             sidecar=sidecar,
             block_checksums=block_checksums,
+            mapping=mapping,
         )
 
 
@@ -507,9 +534,18 @@ def _block_checksums(starts: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
     )
 
 
-def _write_sidecar(sidecar: str, index: LineIndex) -> np.memmap:
+def _map_body(stored: IO[bytes], count: int) -> tuple[mmap.mmap, npt.NDArray[np.uint64]]:
+    """A read-only memory map of the open sidecar ``stored`` and the ``count`` values after its
+    header (offsets, then checksums). The map is kept so that its file's size can be checked
+    (``mmap.size`` is an ``fstat``) before each read."""
+    mapping = mmap.mmap(stored.fileno(), 0, access=mmap.ACCESS_READ)
+    return mapping, np.frombuffer(mapping, dtype=OFFSET_DTYPE, count=count, offset=HEADER.size)
+
+
+def _write_sidecar(sidecar: str, index: LineIndex) -> tuple[npt.NDArray[np.uint64], mmap.mmap]:
     """Store ``index`` at ``sidecar`` atomically (``write_atomically``: a temporary, fsync, rename,
-    and a killed build's temporary removed by the next one); return its memmap.
+    and a killed build's temporary removed by the next one); return its offsets, memory-mapped,
+    and the map.
 
     Concurrent writers each rename a complete file, so readers never see a partial one.
     """
@@ -521,4 +557,6 @@ def _write_sidecar(sidecar: str, index: LineIndex) -> np.memmap:
         stored.write(_block_checksums(starts).view(np.uint8).data)
 
     write_atomically(sidecar, write)
-    return np.memmap(sidecar, dtype=OFFSET_DTYPE, mode="r", offset=HEADER.size, shape=starts.shape)
+    with open(sidecar, "rb") as stored:
+        mapping, mapped = _map_body(stored, len(starts))
+    return mapped, mapping

@@ -29,9 +29,9 @@ from typing import Any, Sequence
 from resumable.errors import ConfigError, StateError
 from resumable.node import EPOCH, LENGTH, POSITION, IndexedNode, Node
 from resumable.ops.map import IndexedMap
-from resumable.order.elastic import MAX_POSITION, Remap, merge, rescale
+from resumable.order.elastic import MAX_POSITION, Remap, merge, rescale, shard_sizes
 from resumable.order.partition import shard_size
-from resumable.order.shard import REMAP, Shard
+from resumable.order.shard import NEXT_REMAP, REMAP, Shard
 from resumable.order.topology import NUM_WORKERS, RANK, WORKER, WORLD_SIZE, Topology
 from resumable.sources.stream import JsonlStream
 from resumable.state import (
@@ -41,8 +41,8 @@ from resumable.state import (
     check_header,
     check_json,
     require,
+    require_adjacent_epochs,
     require_count,
-    require_shared_epoch,
 )
 
 __all__ = ["restore", "rescaled_state", "consumer_of"]
@@ -140,8 +140,10 @@ def _rescale_node(
 
 
 def _rescale_indexed(cursor: IndexedNode[Any], olds: list[dict[str, Any]], path: str) -> dict[str, Any]:
-    """The cursor's new state: position 0 of this consumer's stride over what was left."""
-    epoch = require_shared_epoch(olds, EPOCH, path)
+    """The cursor's new state: position 0 of this consumer's stride over what was left. Old
+    consumers may straddle an epoch boundary (some already in the next epoch): then the shard
+    also holds the remap of the next epoch, whose positions the advanced consumers have read."""
+    epochs = require_adjacent_epochs(olds, EPOCH, path)
     cursors = [require_count(old, POSITION, path, upper=MAX_POSITION) for old in olds]
 
     chain: list[tuple[IndexedNode[Any], list[dict[str, Any]], str]] = []
@@ -162,8 +164,10 @@ def _rescale_indexed(cursor: IndexedNode[Any], olds: list[dict[str, Any]], path:
     for node, states, where in chain:
         own = node._header()
         if isinstance(node, Shard):
-            remap = _new_remap(node, states, epoch, cursors, where)
+            remap, next_remap = _new_remaps(node, states, epochs, cursors, where)
             own[REMAP] = remap.to_json()
+            if next_remap is not None:
+                own[NEXT_REMAP] = next_remap.to_json()
             length = shard_size(remap.length, node.topology.consumer, node.topology.num_consumers)
         else:
             for state in states:
@@ -171,21 +175,59 @@ def _rescale_indexed(cursor: IndexedNode[Any], olds: list[dict[str, Any]], path:
         new_states.append(own)
     for upper, lower in zip(new_states, new_states[1:]):
         upper[UPSTREAM] = lower
-    new_states[0].update({EPOCH: epoch, POSITION: 0, LENGTH: length, ENDED: False})
+    new_states[0].update({EPOCH: min(epochs), POSITION: 0, LENGTH: length, ENDED: False})
     return new_states[0]
 
 
-def _new_remap(shard: Shard[Any], olds: list[dict[str, Any]], epoch: int, cursors: list[int], path: str) -> Remap:
-    saved = [old.get(REMAP) for old in olds]
+def _new_remaps(
+    shard: Shard[Any], olds: list[dict[str, Any]], epochs: list[int], cursors: list[int], path: str
+) -> tuple[Remap, Remap | None]:
+    """The remaps of the first epoch the old consumers were in and, if some had moved on, of the
+    next one. A consumer that moved on has read its whole share of the first epoch; one that has
+    not has read nothing of the next."""
+    first = min(epochs)
+    held = _held_remaps(shard, olds, epochs, path)
+    sizes = shard_sizes(_space(shard, held.get(first)), len(olds)).tolist()
+    remap = _rescaled(held.get(first), first, shard, [
+        position if epoch == first else size for epoch, position, size in zip(epochs, cursors, sizes)
+    ], path)
+    if max(epochs) == first and first + 1 not in held:
+        return remap, None
+    # The next epoch: what consumers that moved on read of it is left out, and a remap they
+    # hold for it from an earlier rescale is carried over.
+    following = [position if epoch > first else 0 for epoch, position in zip(epochs, cursors)]
+    return remap, _rescaled(held.get(first + 1), first + 1, shard, following, path)
+
+
+def _held_remaps(shard: Shard[Any], olds: list[dict[str, Any]], epochs: list[int], path: str) -> dict[int, Remap]:
+    """Per epoch, the remap the old consumers hold for it (merged from their compacted copies).
+    Every consumer reading an epoch holds its remap, or none does; a consumer past an epoch may
+    have dropped it."""
     base = len(shard.upstream)  # type: ignore[arg-type]
-    present = [Remap.from_json(remap, path, base_length=base) for remap in saved if remap is not None]
-    if present and len(present) != len(saved):
-        raise StateError(f"{path}: only some old consumers hold a remap; they come from different checkpoints")
-    previous = merge(present, path) if present else None
-    if previous is not None and previous.epoch != epoch:
-        previous = None  # a remap of an earlier epoch, no longer in use
-    space = previous.length if previous is not None else len(shard.upstream)  # type: ignore[arg-type]
+    copies: dict[int, list[Remap]] = {}
+    holders: dict[int, set[int]] = {}
+    for consumer, old in enumerate(olds):
+        for key in (REMAP, NEXT_REMAP):
+            if key in old:
+                remap = Remap.from_json(old[key], path, base_length=base)
+                copies.setdefault(remap.epoch, []).append(remap)
+                holders.setdefault(remap.epoch, set()).add(consumer)
+    for epoch, consumers in holders.items():
+        readers = {consumer for consumer, at in enumerate(epochs) if at == epoch}
+        if not readers <= consumers:
+            raise StateError(
+                f"{path}: only some old consumers hold the remap of epoch {epoch}; they come from different checkpoints"
+            )
+    return {epoch: merge(remaps, path) for epoch, remaps in copies.items()}
+
+
+def _space(shard: Shard[Any], previous: Remap | None) -> int:
+    """Positions of the space old consumers strode over: a remap's newest space, or the epoch's."""
+    return previous.length if previous is not None else len(shard.upstream)  # type: ignore[arg-type]
+
+
+def _rescaled(previous: Remap | None, epoch: int, shard: Shard[Any], cursors: list[int], path: str) -> Remap:
     try:
-        return rescale(previous, epoch, space, cursors)
+        return rescale(previous, epoch, _space(shard, previous), cursors)
     except StateError as error:
         raise StateError(f"{path}: {error}") from error

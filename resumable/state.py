@@ -74,13 +74,17 @@ def check_header(state: Any, kind: str, path: str) -> None:
         )
 
 
-def require_shared_epoch(states: Sequence[Mapping[str, Any]], key: str, path: str) -> int:
-    """The epoch count under ``key`` that every old consumer's state holds (an elastic rescale
-    continues one epoch); StateError if they differ."""
-    values = {require_count(state, key, path) for state in states}
-    if len(values) != 1:
-        raise StateError(f"{path}: old consumers are in different epochs ({key} {sorted(values)}); rescale within one")
-    return values.pop()
+def require_adjacent_epochs(states: Sequence[Mapping[str, Any]], key: str, path: str) -> list[int]:
+    """The epoch count under ``key`` of each old consumer's state; StateError unless they lie in
+    one epoch or two consecutive ones (consumers whose shards differ by one item straddle an
+    epoch boundary for a moment, as after ``.repeat()``)."""
+    values = [require_count(state, key, path) for state in states]
+    if values and max(values) - min(values) > 1:
+        raise StateError(
+            f"{path}: old consumers are more than one epoch apart ({key} {sorted(set(values))}); they come from "
+            "different checkpoints"
+        )
+    return values
 
 
 def check_config(state: Mapping[str, Any], config: Mapping[str, Any], path: str) -> None:

@@ -294,3 +294,27 @@ def test_file_changed_during_the_run_is_caught_at_get_state_and_epoch_start(
         out.write('{"id": 10}\n')
     with pytest.raises(rs.SourceError, match=r"a\.jsonl' changed during the run"):
         iter(epochs)
+
+
+@pytest.mark.parametrize("phases", [((3, (30, 60, 90)), (2, None)), ((4, (50, 10, 80, 45)), (3, (20, 40, 5)), (1, None))])
+def test_elastic_rescale_of_consumers_on_both_sides_of_an_epoch_boundary(tmp_path: Path, phases: Any) -> None:
+    """After ``.repeat()`` some old consumers may be in the next epoch while others finish the
+    current one: both epochs' remaining work items are dealt out, each record comes twice."""
+    pattern = corpus(tmp_path)
+    seen: Counter[int] = Counter()
+    states = None
+    straddled = False
+    for consumers, taken in phases:
+        new_states = []
+        for consumer in range(consumers):
+            pipe = rs.jsonl_stream(pattern, shuffle_files=3, rank=consumer, world_size=consumers).repeat(2)
+            if states is not None:
+                restore(pipe, states)
+            items = list(pipe) if taken is None else [x for _, x in zip(range(taken[consumer]), pipe)]
+            seen.update(ids(items))
+            new_states.append(json.loads(json.dumps(pipe.get_state())))
+        epochs = {state["upstream"]["epoch"] for state in new_states}
+        straddled = straddled or len(epochs) == 2
+        states = new_states
+    assert straddled
+    assert seen == Counter({record_id: 2 for record_id in ALL_IDS})

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any, TypeVar
 
-from resumable.errors import ConfigError
+from resumable.errors import ConfigError, StateError
 from resumable.node import Node, RecordKey
-from resumable.state import require, require_count, require_shared_epoch
+from resumable.state import require, require_count
 
 T = TypeVar("T")
 
@@ -69,6 +69,14 @@ class Repeat(Node[T]):
 
     def _rescale(self, olds: list[dict[str, Any]], path: str, consumer: int, num_consumers: int) -> dict[str, Any]:
         state = super()._rescale(olds, path, consumer, num_consumers)
-        state[EPOCHS_DONE] = require_shared_epoch(olds, EPOCHS_DONE, path)
-        state[YIELDED] = any(require(old, YIELDED, bool, path) for old in olds)
+        # A consumer that finished its last epoch counts it as done while its cursor stays in
+        # it, so counts may span two epochs where the cursors (checked by the rescale) span one.
+        done = [require_count(old, EPOCHS_DONE, path) for old in olds]
+        if max(done) - min(done) > 2:
+            raise StateError(f"{path}: old consumers are more than one epoch apart ({EPOCHS_DONE} {sorted(set(done))})")
+        state[EPOCHS_DONE] = min(done)
+        # The epoch being continued gave items if any old consumer had any, or moved past it.
+        state[YIELDED] = any(
+            require(old, YIELDED, bool, path) or epochs > min(done) for old, epochs in zip(olds, done)
+        )
         return state

@@ -11,11 +11,14 @@ from resumable.node import IndexedNode
 from resumable.order.elastic import Remap
 from resumable.order.partition import shard_size, shard_to_global
 from resumable.order.topology import Consumer, Topology
-from resumable.state import require
+from resumable.state import check_header, require
 
 T = TypeVar("T")
 
 REMAP = "remap"
+NEXT_REMAP = "next_remap"
+"""The remap of the epoch after ``REMAP``'s, when a rescale cut two epochs short (old consumers
+on both sides of an epoch boundary, as after ``.repeat()``)."""
 
 
 class Shard(IndexedNode[T]):
@@ -42,6 +45,7 @@ class Shard(IndexedNode[T]):
         super().__init__(upstream)
         self._consumer = Consumer(rank, world_size, split_workers, self.kind)
         self.remap: Remap | None = None
+        self.next_remap: Remap | None = None
         self._cursor: tuple[int, int] | None = None  # (epoch, position) of the cursor at get_state
         self._saved_remap: tuple[int, dict[str, Any]] | None = None  # (first, JSON) last saved
 
@@ -55,8 +59,10 @@ class Shard(IndexedNode[T]):
         return shard_size(len(self.upstream), topology.consumer, topology.num_consumers)  # type: ignore[arg-type]
 
     def _remap_of(self, epoch: int) -> Remap | None:
-        remap = self.remap
-        return remap if remap is not None and remap.epoch == epoch else None
+        for remap in (self.remap, self.next_remap):
+            if remap is not None and remap.epoch == epoch:
+                return remap
+        return None
 
     def _length(self, epoch: int) -> int:
         remap = self._remap_of(epoch)
@@ -67,7 +73,11 @@ class Shard(IndexedNode[T]):
 
     def _enter_epoch(self, epoch: int) -> None:
         if self.remap is not None and self.remap.epoch != epoch:
-            self.remap = None  # the rescaled epoch is over: the whole epoch is split again
+            # The rescaled epoch is over: the next one may have been cut short too, any later
+            # one is split whole again.
+            following = self.next_remap
+            self.remap = following if following is not None and following.epoch == epoch else None
+            self.next_remap = None
             self._cursor, self._saved_remap = None, None
         super()._enter_epoch(epoch)
 
@@ -106,6 +116,8 @@ class Shard(IndexedNode[T]):
         state = super()._state(progress)
         if self.remap is not None:
             state[REMAP] = self._remap_json()
+        if self.next_remap is not None:
+            state[NEXT_REMAP] = self.next_remap.to_json()
         return state
 
     def _remap_json(self) -> dict[str, Any]:
@@ -121,10 +133,16 @@ class Shard(IndexedNode[T]):
         return self._saved_remap[1]
 
     def _load(self, state: Any, path: str, progress: bool = True) -> None:
-        remap = None
+        check_header(state, self.kind, path)
+        base = len(self.upstream)  # type: ignore[arg-type]
+        remap = next_remap = None
         if REMAP in state:
-            remap = Remap.from_json(require(state, REMAP, dict, path), path, base_length=len(self.upstream))  # type: ignore[arg-type]
-        self.remap = remap
+            remap = Remap.from_json(require(state, REMAP, dict, path), path, base_length=base)
+        if NEXT_REMAP in state:
+            next_remap = Remap.from_json(require(state, NEXT_REMAP, dict, path), path, base_length=base)
+            if remap is None or next_remap.epoch != remap.epoch + 1:
+                raise StateError(f"{path}: a {NEXT_REMAP!r} must be for the epoch after the {REMAP!r}'s")
+        self.remap, self.next_remap = remap, next_remap
         self._cursor, self._saved_remap = None, None
         super()._load(state, path, progress)
 

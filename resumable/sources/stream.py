@@ -35,8 +35,8 @@ from resumable.state import (
     ENDED,
     check_config,
     require,
+    require_adjacent_epochs,
     require_count,
-    require_shared_epoch,
 )
 
 logger = logging.getLogger("resumable")
@@ -45,6 +45,9 @@ ON_ERROR = "on_error"
 SHUFFLE_FILES = "shuffle_files"
 EPOCH = "epoch"
 QUEUE = "queue"
+NEXT_QUEUE = "next_queue"
+"""Work items of the next epoch, when a rescale cut two epochs short (old consumers on both
+sides of an epoch boundary, as after ``.repeat()``); absent otherwise."""
 
 OFFSET_BITS = 40  # a record key packs (file, byte offset): offsets below 1 TiB per file
 LOGGED_SKIPS = 10
@@ -83,6 +86,7 @@ class JsonlStream(Node[Any]):
         self.shuffle_files = shuffle_files
         self._epoch = 0
         self._queue: list[list[int]] | None = None  # [file, offset, line] work items; None: not yet assigned
+        self._next_queue: list[list[int]] | None = None  # the next epoch's, after a rescale; None: its share
         self._handle: IO[bytes] | None = None
         self._last: RecordKey | None = None
         self.skipped = 0
@@ -102,12 +106,16 @@ class JsonlStream(Node[Any]):
         of the epoch (``c, c + C, ...`` of the epoch's file order), from their start."""
         topology = self.topology  # resolved first: in a new process it clears the parent's queue
         if self._queue is None:
-            order = np.arange(len(self.paths), dtype=np.int64)
-            if self.shuffle_files is not None:
-                order = Permutation(len(self.paths), self.shuffle_files, self._epoch).take(order)
-            files = order[topology.consumer :: topology.num_consumers].tolist()
-            self._queue = [[file, 0, 0] for file in files]
+            self._queue = self._share(self._epoch, topology.consumer, topology.num_consumers)
         return self._queue
+
+    def _share(self, epoch: int, consumer: int, num_consumers: int) -> list[list[int]]:
+        """Consumer ``consumer``'s files of ``epoch`` from their start: ``c, c + C, ...`` of the
+        epoch's file order."""
+        order = np.arange(len(self.paths), dtype=np.int64)
+        if self.shuffle_files is not None:
+            order = Permutation(len(self.paths), self.shuffle_files, epoch).take(order)
+        return [[file, 0, 0] for file in order[consumer::num_consumers].tolist()]
 
     # -- iteration ----------------------------------------------------------------------------
 
@@ -190,9 +198,11 @@ class JsonlStream(Node[Any]):
 
     def _begin_epoch(self, epoch: int | None) -> None:
         self._files.check_all()
-        self._epoch = self._epoch + 1 if epoch is None else epoch
+        following = self._epoch + 1
+        self._epoch = following if epoch is None else epoch
         self._close_handle()
-        self._queue = None
+        self._queue = self._next_queue if self._epoch == following else None
+        self._next_queue = None
         self._last = None
         self._ended = False
 
@@ -206,15 +216,24 @@ class JsonlStream(Node[Any]):
         return {FILES: self._files.watch()}
 
     def _progress(self) -> dict[str, Any]:
-        return {EPOCH: self._epoch, QUEUE: [list(item) for item in self.queue]}
+        progress = {EPOCH: self._epoch, QUEUE: [list(item) for item in self.queue]}
+        if self._next_queue is not None:
+            progress[NEXT_QUEUE] = [list(item) for item in self._next_queue]
+        return progress
 
     def _check_identity(self, state: dict[str, Any], path: str) -> None:
         self._files.check_state(require(state, FILES, list, path), path)
 
     def _restore(self, state: dict[str, Any], path: str) -> None:
         epoch = require_count(state, EPOCH, path)
-        queue = require(state, QUEUE, list, path)
-        for item in queue:
+        queue = self._work_items(require(state, QUEUE, list, path), path)
+        next_queue = self._work_items(require(state, NEXT_QUEUE, list, path), path) if NEXT_QUEUE in state else None
+        self._close_handle()
+        self._epoch, self._queue, self._next_queue, self._last = epoch, queue, next_queue, None
+
+    def _work_items(self, items: list[Any], path: str) -> list[list[int]]:
+        """Saved work items, checked: ``[file, byte offset, line]`` within this source's files."""
+        for item in items:
             if not (
                 isinstance(item, list)
                 and len(item) == 3
@@ -228,8 +247,7 @@ class JsonlStream(Node[Any]):
                     f"{path}: queue entry {item!r} points past the end of {self.paths[item[0]]!r} "
                     f"(byte offsets there are at most {limit})"
                 )
-        self._close_handle()
-        self._epoch, self._queue, self._last = epoch, [list(item) for item in queue], None
+        return [list(item) for item in items]
 
     def _offset_limit(self, file: int) -> int:
         """The largest byte offset file ``file`` can hold: its size, or for gzip what its size
@@ -239,19 +257,32 @@ class JsonlStream(Node[Any]):
         return min(content, (1 << OFFSET_BITS) - 1)
 
     def _rescale(self, olds: list[dict[str, Any]], path: str, consumer: int, num_consumers: int) -> dict[str, Any]:
-        """A share of every old consumer's work items, dealt out one by one."""
+        """A share of every old consumer's work items, dealt out one by one. When old consumers
+        straddle an epoch boundary, the next epoch's work items are dealt out too: the queues of
+        those already in it, and the whole share of those that are not."""
         config = {key: value for key, value in self._config().items() if key not in TOPOLOGY_KEYS}
-        items: list[Any] = []
-        for old in olds:
+        epochs = require_adjacent_epochs(olds, EPOCH, path)
+        first = min(epochs)
+        straddle = max(epochs) > first or any(NEXT_QUEUE in old for old in olds)
+        current: list[Any] = []
+        following: list[Any] = []
+        for old_consumer, (old, epoch) in enumerate(zip(olds, epochs)):
             check_config(old, config, path)
             self._check_identity(old, path)
-            items.extend(require(old, QUEUE, list, path))
-        return {
-            **self._header(),
-            EPOCH: require_shared_epoch(olds, EPOCH, path),
-            QUEUE: items[consumer::num_consumers],
-            ENDED: False,
-        }
+            queue = require(old, QUEUE, list, path)
+            if epoch > first:
+                if NEXT_QUEUE in old:
+                    raise StateError(f"{path}: old consumers hold work of more than two epochs")
+                following.extend(queue)
+                continue
+            current.extend(queue)
+            if straddle:
+                held = require(old, NEXT_QUEUE, list, path) if NEXT_QUEUE in old else None
+                following.extend(held if held is not None else self._share(first + 1, old_consumer, len(olds)))
+        state = {**self._header(), EPOCH: first, QUEUE: current[consumer::num_consumers], ENDED: False}
+        if straddle:
+            state[NEXT_QUEUE] = following[consumer::num_consumers]
+        return state
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

@@ -46,7 +46,11 @@ CHAINS: dict[str, Callable[[rs.Node, int, int], rs.Node]] = {
     ),
     # Two epochs: old consumers whose shards differ by one straddle the boundary between them.
     "repeat_filter_batch": lambda s, r, w: s.shuffle(7).shard(r, w).repeat(2).filter(keep).map(ids).batch(3),
-    "pack_repeat_best_fit": lambda s, r, w: s.shuffle(5).shard(r, w).repeat(2).filter(keep).pack(SEQ_LEN, buffer_size=4),
+    "pack_repeat_best_fit": lambda s, r, w: s.shuffle(5)
+    .shard(r, w)
+    .repeat(2)
+    .filter(keep)
+    .pack(SEQ_LEN, buffer_size=4),
 }
 
 

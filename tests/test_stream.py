@@ -296,7 +296,9 @@ def test_file_changed_during_the_run_is_caught_at_get_state_and_epoch_start(
         iter(epochs)
 
 
-@pytest.mark.parametrize("phases", [((3, (30, 60, 90)), (2, None)), ((4, (50, 10, 80, 45)), (3, (20, 40, 5)), (1, None))])
+@pytest.mark.parametrize(
+    "phases", [((3, (30, 60, 90)), (2, None)), ((4, (50, 10, 80, 45)), (3, (20, 40, 5)), (1, None))]
+)
 def test_elastic_rescale_of_consumers_on_both_sides_of_an_epoch_boundary(tmp_path: Path, phases: Any) -> None:
     """After ``.repeat()`` some old consumers may be in the next epoch while others finish the
     current one: both epochs' remaining work items are dealt out, each record comes twice."""

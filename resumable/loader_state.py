@@ -2,10 +2,10 @@
 
 A Loader state is ``{"format", "epoch", "rank", "world_size", "num_workers",
 "snapshot_every_n_steps", "loader"}``, where ``loader`` is torchdata's StatefulDataLoader
-state: each worker's pipeline state (one JSON string) as of its last snapshot, and the
-batches handed out since. torchdata reads that part with ``assert`` and bare indexing, so
-every field it or the Loader reads is checked here first, and a bad one raises
-``StateError`` naming the rank, worker and field.
+state: each worker's pipeline state (one JSON string, with the epoch of the worker's pass)
+as of its last snapshot, and the batches handed out since. torchdata reads that part with
+``assert`` and bare indexing, so every field it or the Loader reads is checked here first,
+and a bad one raises ``StateError`` naming the rank, worker and field.
 
 This module imports neither torch nor torchdata, so ``python -m resumable inspect`` reads
 Loader states without loading them; the tests check the key names against torchdata's.
@@ -22,7 +22,7 @@ from resumable.state import LOADER_FORMAT, LOADER_FORMAT_PREFIX, check_json, req
 
 # Keys of the Loader state.
 FORMAT = LOADER_FORMAT
-FORMAT_NAME = f"{LOADER_FORMAT_PREFIX}2"
+FORMAT_NAME = f"{LOADER_FORMAT_PREFIX}3"
 EPOCH = "epoch"
 RANK = "rank"
 WORLD_SIZE = "world_size"
@@ -51,11 +51,17 @@ DATASET_STATE = "dataset_state"
 ITER_STATE = "dataset_iter_state"
 WORKER_PREFIX = "worker_"
 
-# Key of the JSON-encoded pipeline state in what a worker reports (rs.torch.PipelineDataset).
+# Keys of what a worker reports (rs.torch.PipelineDataset): its JSON-encoded pipeline state,
+# and the epoch its pass started, which must be the Loader state's epoch.
 PIPELINE = "pipeline"
+PASS_EPOCH = "epoch"
 
-# Counters and seeds are int64 in torch; larger values are corrupt, not progress.
+# Seeds are int64 in torch; larger values are corrupt.
 INT64_LIMIT = 2**63 - 1
+# Epochs and batch counts a Loader state may hold. The Loader stops with a StateError rather
+# than count past it, so every state it saves loads again: far above any real run, and far
+# below int64, so that torch never overflows either.
+MAX_COUNT = 2**62
 # A restore replays up to this many batches minus one (rs.torch.Loader refuses more).
 MAX_SNAPSHOT_EVERY = 10_000
 
@@ -113,7 +119,7 @@ def parse_loader_state(state: Any, where: str = "Loader") -> LoaderState:
             num_workers=num_workers,
             snapshot_every=snapshot_every,
             finished=finished,
-            pipelines=[_pipeline(loader, at_loader)],
+            pipelines=[_pipeline(loader, at_loader, epoch)],
             snapshot_step=_count(loader, NUM_YIELDED, at_loader),
             steps_since_snapshot=0,
             last_yielded_worker=0,
@@ -125,7 +131,7 @@ def parse_loader_state(state: Any, where: str = "Loader") -> LoaderState:
     at_main = f"{at_snapshot}.{MAIN_SNAPSHOT}"
     _count(main, MAIN_NUM_WORKERS, at_main, low=num_workers, high=num_workers)
     _main_counters(main, at_main)
-    _count(main, BASE_SEED, at_main)
+    _count(main, BASE_SEED, at_main, high=INT64_LIMIT)
     workers = require(snapshot, WORKER_SNAPSHOTS, dict, at_snapshot)
     # The length first: the expected names are built only for as many workers as are there.
     if len(workers) != num_workers or set(workers) != {f"{WORKER_PREFIX}{w}" for w in range(num_workers)}:
@@ -139,7 +145,9 @@ def parse_loader_state(state: Any, where: str = "Loader") -> LoaderState:
         at_worker = f"{where} worker {w} at {LOADER}.{SNAPSHOT}.{WORKER_SNAPSHOTS}.{key}"
         worker = require(workers, key, dict, at_snapshot)
         _count(worker, WORKER_ID, at_worker, low=w, high=w)
-        pipelines.append(_pipeline(worker, at_worker))
+        pipelines.append(_pipeline(worker, at_worker, epoch))
+    # Batches handed out when the state was taken: the snapshot's and the ones since.
+    snapshot_step = _count(snapshot, SNAPSHOT_STEP, at_snapshot, high=MAX_COUNT - steps)
     return LoaderState(
         state=state,
         epoch=epoch,
@@ -149,14 +157,14 @@ def parse_loader_state(state: Any, where: str = "Loader") -> LoaderState:
         snapshot_every=snapshot_every,
         finished=finished,
         pipelines=pipelines,
-        snapshot_step=_count(snapshot, SNAPSHOT_STEP, at_snapshot),
+        snapshot_step=snapshot_step,
         steps_since_snapshot=steps,
         last_yielded_worker=_count(snapshot, LAST_YIELDED, at_snapshot, high=num_workers - 1),
     )
 
 
-def _count(holder: dict[str, Any], key: str, where: str, low: int = 0, high: int = INT64_LIMIT) -> int:
-    """An int entry in ``[low, high]``."""
+def _count(holder: dict[str, Any], key: str, where: str, low: int = 0, high: int = MAX_COUNT) -> int:
+    """An int entry in ``[low, high]`` (by default a count the Loader can continue from)."""
     value: int = require(holder, key, int, where)
     if not low <= value <= high:
         expected = str(low) if low == high else f"an int in [{low}, {high}]"
@@ -169,18 +177,26 @@ def _main_counters(holder: dict[str, Any], where: str) -> None:
     _count(holder, SAMPLER_ITER_YIELDED, where)
     for key in (LEN_CALLED, SHARED_SEED):
         if require(holder, key, (int, type(None)), where) is not None:
-            _count(holder, key, where)
+            _count(holder, key, where, high=INT64_LIMIT)
 
 
-def _pipeline(holder: dict[str, Any], where: str) -> dict[str, Any]:
-    """The pipeline state inside a worker's (or the single process's) fetcher state."""
+def _pipeline(holder: dict[str, Any], where: str, epoch: int) -> dict[str, Any]:
+    """The pipeline state inside a worker's (or the single process's) fetcher state, which
+    must come from a pass of the Loader state's ``epoch`` (not grafted from another epoch)."""
     if require(holder, DATASET_STATE, (dict, type(None)), where) is not None:
         raise StateError(f"{where}: state entry {DATASET_STATE!r} is not null: not saved by rs.torch.Loader")
     fetcher = require(holder, FETCHER_STATE, dict, where)
     at_fetcher = f"{where}.{FETCHER_STATE}"
     require(fetcher, FETCHER_ENDED, bool, at_fetcher)
     iterator = require(fetcher, ITER_STATE, dict, at_fetcher)
-    encoded = require(iterator, PIPELINE, str, f"{at_fetcher}.{ITER_STATE}")
+    at_iterator = f"{at_fetcher}.{ITER_STATE}"
+    pass_epoch = require(iterator, PASS_EPOCH, int, at_iterator)
+    if pass_epoch != epoch:
+        raise StateError(
+            f"{at_iterator}: state entry {PASS_EPOCH!r} is {pass_epoch}, expected {epoch}: this pipeline state "
+            f"comes from a pass of epoch {pass_epoch}, the Loader state is at epoch {epoch}"
+        )
+    encoded = require(iterator, PIPELINE, str, at_iterator)
     try:
         pipeline = json.loads(encoded)
     except (ValueError, RecursionError) as error:

@@ -315,12 +315,14 @@ def with_entry(state: dict, path: tuple[str, ...], value: Any) -> dict:
 DELETE = object()
 WORKER_1 = ("loader", "_snapshot", "_worker_snapshots", "worker_1")
 ENCODED = ("fetcher_state", "dataset_iter_state", "pipeline")
+PASS_EPOCH = ("fetcher_state", "dataset_iter_state", "epoch")
 
 
 def corruptions(state: dict) -> list[tuple[tuple[str, ...], Any, str]]:
     """(path, value, message) for the broken states the tester reported, and their siblings."""
     common = [
         (("format",), "resumable.Loader/1", "not a resumable Loader state"),
+        (("format",), "resumable.Loader/2", "not a resumable Loader state"),
         (("num_workers",), -1, "rank 0/1: state entry 'num_workers' is -1, expected an int in"),
         (("epoch",), "1", "rank 0/1: state entry 'epoch' is '1', expected int"),
         (("rank",), 1, "state entry 'rank' is 1, expected 0"),
@@ -335,6 +337,7 @@ def corruptions(state: dict) -> list[tuple[tuple[str, ...], Any, str]]:
             (("loader", "_num_yielded"), -3, "'_num_yielded' is -3"),
             (("loader", "fetcher_state"), None, "'fetcher_state' is None, expected dict"),
             (("loader", "_shared_seed"), 10**30, "'_shared_seed' is 10{30}"),
+            (("loader", *PASS_EPOCH), "0", "at loader.fetcher_state.dataset_iter_state: state entry 'epoch' is '0'"),
             (("num_workers",), 10**12, "at loader: state has no '_steps_since_snapshot' entry"),
         ]
     encoded = state["loader"]["_snapshot"]["_worker_snapshots"]["worker_1"][ENCODED[0]][ENCODED[1]][ENCODED[2]]
@@ -358,6 +361,8 @@ def corruptions(state: dict) -> list[tuple[tuple[str, ...], Any, str]]:
         (("loader", "_snapshot", "_main_snapshot", "_num_workers"), 3, "'_num_workers' is 3, expected 2"),
         (("loader", "_snapshot", "_main_snapshot", "_base_seed"), 2**64, "'_base_seed' is 18446744073709551616"),
         ((*WORKER_1, "dataset_state"), {"x": 1}, "worker 1 .*'dataset_state' is not null"),
+        ((*WORKER_1, *PASS_EPOCH), DELETE, "worker 1 .*dataset_iter_state: state has no 'epoch' entry"),
+        ((*WORKER_1, *PASS_EPOCH), 1, "worker 1 .*dataset_iter_state: state entry 'epoch' is 1, expected 0"),
     ]
 
 

@@ -9,7 +9,7 @@ from typing import Any, Callable, Union
 from torch.utils.data import IterableDataset, get_worker_info
 
 from resumable.errors import ConfigError, StateError
-from resumable.loader_state import PIPELINE
+from resumable.loader_state import PASS_EPOCH, PIPELINE
 from resumable.node import Node
 from resumable.order.topology import distributed_rank, inherit_rank
 
@@ -19,10 +19,14 @@ PipelineOrFactory = Union[Node[Any], Callable[[], Node[Any]]]
 class WorkerIterator:
     """What ``iter(PipelineDataset)`` returns: the pipeline, whose state it reports as one
     JSON string. StatefulDataLoader diffs, copies and ships a worker's state with every
-    batch; a string leaf makes that O(1) however large the state (packer references)."""
+    batch; a string leaf makes that O(1) however large the state (packer references).
 
-    def __init__(self, pipeline: Node[Any]) -> None:
+    The state also names the epoch this pass started (``epoch``), so that a Loader state
+    can check that every worker's pipeline state belongs to the epoch the Loader records."""
+
+    def __init__(self, pipeline: Node[Any], epoch: int) -> None:
         self.pipeline = pipeline
+        self.epoch = epoch
 
     def __iter__(self) -> WorkerIterator:
         return self
@@ -30,18 +34,24 @@ class WorkerIterator:
     def __next__(self) -> Any:
         return next(self.pipeline)
 
-    def state_dict(self) -> dict[str, str]:
-        return {PIPELINE: json.dumps(self.pipeline.get_state(), separators=(",", ":"))}
+    def state_dict(self) -> dict[str, Any]:
+        return {PIPELINE: json.dumps(self.pipeline.get_state(), separators=(",", ":")), PASS_EPOCH: self.epoch}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Continue the saved pass: its pipeline state, and the epoch that pass started."""
         encoded = state_dict.get(PIPELINE) if isinstance(state_dict, dict) else None
-        if not isinstance(encoded, str):
-            raise StateError(f"PipelineDataset: expected {{{PIPELINE!r}: <JSON string>}}, got {state_dict!r:.200}")
+        epoch = state_dict.get(PASS_EPOCH) if isinstance(state_dict, dict) else None
+        if not isinstance(encoded, str) or isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise StateError(
+                f"PipelineDataset: expected {{{PIPELINE!r}: <JSON string>, {PASS_EPOCH!r}: <epoch>}}, "
+                f"got {state_dict!r:.200}"
+            )
         try:
             state = json.loads(encoded)
         except (ValueError, RecursionError) as error:
             raise StateError(f"PipelineDataset: the pipeline state is not valid JSON ({error})") from error
         self.pipeline.set_state(state)
+        self.epoch = epoch
 
 
 class PipelineDataset(IterableDataset):  # type: ignore[type-arg]
@@ -53,8 +63,10 @@ class PipelineDataset(IterableDataset):  # type: ignore[type-arg]
 
     Epochs: the first ``iter()`` in a process starts epoch ``epoch`` (set in the main process
     before workers start, by ``rs.torch.Loader`` or by ``set_epoch``); each later ``iter()``
-    starts the epoch set since, or else the next one. So fresh workers, persistent workers
-    (which keep their own copy of this object) and the main process all shuffle anew each epoch.
+    starts the epoch set by a ``set_epoch`` call since (even the same number again), or else
+    the next one. So fresh workers, persistent workers (which keep their own copy of this
+    object) and the main process all shuffle anew each epoch, and a Loader that goes back to
+    an epoch (by loading a state) gets that epoch.
     ``iter()`` returns a ``WorkerIterator`` over the pipeline: its ``state_dict()`` is what a
     ``StatefulDataLoader`` snapshots in each worker with every batch.
     """
@@ -70,7 +82,8 @@ class PipelineDataset(IterableDataset):  # type: ignore[type-arg]
             raise ConfigError(f"PipelineDataset: expected a pipeline or a function building one, got {pipeline!r}")
         self.epoch = 0
         self.rank = distributed_rank()
-        # In the process that iterates: (process id, epoch told by set_epoch, epoch started).
+        self._told = 0  # set_epoch calls so far: each one is an order for the next iter()
+        # In the process that iterates: (process id, set_epoch calls then, epoch started).
         self._started: tuple[int, int, int] | None = None
         # After an elastic rescale: the JSON pipeline state each worker (0 without workers)
         # continues the epoch from, applied at the next iter() (see rs.torch.Loader).
@@ -79,6 +92,7 @@ class PipelineDataset(IterableDataset):  # type: ignore[type-arg]
     def set_epoch(self, epoch: int) -> None:
         """The epoch the next ``iter()`` starts (in every worker); also re-reads the rank."""
         self.epoch = epoch
+        self._told += 1
         self.rank = distributed_rank()
 
     @property
@@ -96,17 +110,17 @@ class PipelineDataset(IterableDataset):  # type: ignore[type-arg]
             inherit_rank(*self.rank)
         pipe = self.pipeline
         pid, started = os.getpid(), self._started
-        if started is None or started[0] != pid or started[1] != self.epoch:
+        if started is None or started[0] != pid or started[1] != self._told:
             epoch = self.epoch
         else:
             epoch = started[2] + 1
         pipe.start_epoch(epoch)
-        self._started = (pid, self.epoch, epoch)
+        self._started = (pid, self._told, epoch)
         if self.rescaled is not None:
             info = get_worker_info()
             pipe.set_state(json.loads(self.rescaled[info.id if info is not None else 0]))
             self.rescaled = None  # later epochs start whole
-        return WorkerIterator(pipe)
+        return WorkerIterator(pipe, epoch)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

@@ -10,7 +10,11 @@ import weakref
 from typing import Any, Callable, Sequence
 
 from torchdata.stateful_dataloader import StatefulDataLoader
-from torchdata.stateful_dataloader.stateful_dataloader import _StatefulMultiProcessingDataLoaderIter
+from torchdata.stateful_dataloader.stateful_dataloader import (
+    _StatefulBaseDataLoaderIter,
+    _StatefulMultiProcessingDataLoaderIter,
+    _StatefulSingleProcessDataLoaderIter,
+)
 
 from resumable.errors import ConfigError, StateError
 from resumable.loader_state import (
@@ -18,10 +22,14 @@ from resumable.loader_state import (
     FORMAT,
     FORMAT_NAME,
     LOADER,
+    MAX_COUNT,
     MAX_SNAPSHOT_EVERY,
     NUM_WORKERS,
     RANK,
+    SNAPSHOT,
     SNAPSHOT_EVERY,
+    SNAPSHOT_STEP,
+    STEPS_SINCE,
     WORLD_SIZE,
     LoaderState,
     parse_loader_state,
@@ -56,6 +64,8 @@ class Loader(StatefulDataLoader):
     its workers, decides when to stop, typically after saving a checkpoint. Workers still
     exit when the loader shuts them down (its SIGTERM is obeyed) or when the trainer dies.
     """
+
+    next_iter_state: dict[str, Any] | None  # torchdata's: the state the next iterator restores
 
     def __init__(
         self,
@@ -103,17 +113,49 @@ class Loader(StatefulDataLoader):
         _OPEN_LOADERS.add(self)
 
     def __iter__(self) -> Any:
-        epoch = self._epoch + 1 if self._next_iter_advances else self._epoch
+        epoch = self._next_epoch() if self._next_iter_advances else self._epoch
         rescaled = self.dataset.rescaled is not None  # type: ignore[attr-defined]
         self.dataset.set_epoch(epoch)  # type: ignore[attr-defined]
         try:
             iterator = super().__iter__()
+        except StopIteration as error:  # torchdata's replay of the batches since the snapshot ran out
+            _shut_down_half_built_iterators(error)
+            raise self._replay_overrun() from None
         except BaseException as error:
             _shut_down_half_built_iterators(error)
             raise
         self._epoch, self._next_iter_advances, self._loaded = epoch, True, None
         if rescaled and self.num_workers:
             self.dataset.rescaled = None  # type: ignore[attr-defined]  # the workers have their copies
+        return iterator
+
+    def _next_epoch(self) -> int:
+        """The epoch after this one, if a Loader state can count it."""
+        if self._epoch >= MAX_COUNT:
+            raise StateError(f"Loader: epoch {self._epoch:,} is the last one a Loader state can count")
+        return self._epoch + 1
+
+    def _replay_overrun(self) -> StateError:
+        """The error for a loaded state that counts more batches since its snapshot than the
+        workers hold: torchdata's replay of those batches ran out of data. The loaded state
+        stays as it was (and the half-started workers are stopped)."""
+        loaded: dict[str, Any] = self._loaded  # type: ignore[assignment]  # only a resumed state replays
+        steps, snapshot = loaded[LOADER][STEPS_SINCE], loaded[LOADER][SNAPSHOT][SNAPSHOT_STEP]
+        return StateError(
+            f"Loader rank {loaded[RANK]}/{loaded[WORLD_SIZE]} at {LOADER}: the state counts more batches than its "
+            f"workers hold (state entry {STEPS_SINCE!r} is {steps}, but the workers' snapshot at batch {snapshot} "
+            "is followed by fewer)"
+        )
+
+    def _get_iterator(self) -> _StatefulBaseDataLoaderIter:
+        """torchdata's iterator (as its ``_get_iterator`` builds it), held to ``MAX_COUNT``."""
+        iterator: _StatefulBaseDataLoaderIter
+        if self.num_workers == 0:
+            iterator = _SingleProcessIterator(self, self.next_iter_state)
+        else:
+            self.check_worker_number_rationality()
+            iterator = _MultiProcessIterator(self, self.next_iter_state)
+        self.next_iter_state = None
         return iterator
 
     def close(self) -> None:
@@ -147,7 +189,7 @@ class Loader(StatefulDataLoader):
             return copy.deepcopy(self._loaded)  # loaded but not iterated yet: nothing moved
         if self._iterator is None:  # torchdata starts the next pass now to read its initial state
             if self._next_iter_advances:
-                self._epoch, self._next_iter_advances = self._epoch + 1, False
+                self._epoch, self._next_iter_advances = self._next_epoch(), False
             self.dataset.set_epoch(self._epoch)  # type: ignore[attr-defined]
         rank, world_size = distributed_rank()
         return {
@@ -231,6 +273,33 @@ class Loader(StatefulDataLoader):
         self.next_iter_state = resume
         self.dataset.rescaled = rescaled  # type: ignore[attr-defined]
         self._epoch, self._next_iter_advances, self._loaded = epoch, next_iter_advances, loaded
+
+
+class _Bounded(_StatefulBaseDataLoaderIter):
+    """Stops with a StateError rather than count a pass's batches (or the indices torchdata
+    sends ahead) past ``MAX_COUNT``: every state the Loader saves then loads again."""
+
+    def __next__(self) -> Any:
+        if self._num_yielded >= MAX_COUNT:
+            raise StateError(
+                f"Loader: {self._num_yielded:,} batches handed out in this pass, the most a state can count"
+            )
+        return super().__next__()
+
+    def _next_index(self) -> Any:
+        if self._sampler_iter_yielded >= MAX_COUNT:
+            raise StateError(
+                f"Loader: {self._sampler_iter_yielded:,} batches requested in this pass, the most a state can count"
+            )
+        return super()._next_index()
+
+
+class _SingleProcessIterator(_Bounded, _StatefulSingleProcessDataLoaderIter):
+    """torchdata's iterator without workers, held to ``MAX_COUNT``."""
+
+
+class _MultiProcessIterator(_Bounded, _StatefulMultiProcessingDataLoaderIter):
+    """torchdata's iterator over workers, held to ``MAX_COUNT``."""
 
 
 _OPEN_LOADERS: weakref.WeakSet[Loader] = weakref.WeakSet()

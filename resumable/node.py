@@ -147,6 +147,12 @@ class Node(Generic[T]):
 
     def fetch(self, key: RecordKey) -> T:
         """The item with provenance ``key``, produced again by random access (no iteration)."""
+        return self.fetch_many([key])[0]
+
+    def fetch_many(self, keys: Sequence[RecordKey]) -> list[T]:
+        """The items with provenance ``keys``, in that order: what a restoring buffer (a
+        packer) asks for in one call, so a source that reads sequentially (a gzip stream) reads
+        each file once, in offset order, instead of once per key."""
         raise ConfigError(f"{self.kind}: items cannot be fetched again by key")
 
     # -- state ------------------------------------------------------------------------------
@@ -386,12 +392,12 @@ class IndexedNode(Node[T]):
             raise IndexError(f"{self.kind}: position {position!r} out of range [0, {length})")
         return self._record_of(int(self._leaf_indices(np.array([position], dtype=np.int64), epoch)[0]))
 
-    def fetch(self, key: RecordKey) -> T:
-        _, index = key
+    def fetch_many(self, keys: Sequence[RecordKey]) -> list[T]:
         size = len(self.leaf)
-        if not isinstance(index, (int, np.integer)) or not 0 <= index < size:
-            raise IndexError(f"{self.kind}: record index {index!r} out of range [0, {size})")
-        return self._record_of(int(index))
+        for _, index in keys:
+            if not isinstance(index, (int, np.integer)) or not 0 <= index < size:
+                raise IndexError(f"{self.kind}: record index {index!r} out of range [0, {size})")
+        return [self._record_of(int(index)) for _, index in keys]
 
     def _record_of(self, index: int) -> T:
         """Leaf record ``index`` through this chain's decoder and maps."""

@@ -320,3 +320,27 @@ def test_elastic_rescale_of_consumers_on_both_sides_of_an_epoch_boundary(tmp_pat
         states = new_states
     assert straddled
     assert seen == Counter({record_id: 2 for record_id in ALL_IDS})
+
+
+def test_a_packer_restore_reads_each_gzip_file_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The packer's buffered pieces are fetched in one call, so a gzip file is decompressed once
+    up to its last buffered record, not once per record (restore cost bounded by the buffer)."""
+    path = tmp_path / "docs.jsonl.gz"
+    with gzip.open(path, "wt") as out:
+        out.writelines(json.dumps({"input_ids": list(range(1, 2 + i % 9))}) + "\n" for i in range(400))
+
+    def build() -> rs.Node:
+        return rs.jsonl_stream(str(path)).pack(16, buffer_size=50)
+
+    pipe = build()
+    take(pipe, 40)
+    state = json.loads(json.dumps(pipe.get_state()))
+    assert len(state["open"]) > 20
+    opened: list[str] = []
+    original = stream_module._open
+    monkeypatch.setattr(stream_module, "_open", lambda name: opened.append(name) or original(name))
+    resumed = build()
+    resumed.set_state(state)
+    assert opened == [str(path)]
+    rows = [row["input_ids"].tolist() for row in take(resumed, 10)]
+    assert rows == [row["input_ids"].tolist() for row in take(pipe, 10)]

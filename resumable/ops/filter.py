@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 from resumable.errors import ConfigError
 from resumable.node import Node, RecordKey
@@ -39,8 +39,8 @@ class Filter(Node[T]):
     def last_key(self) -> RecordKey | None:
         return self.upstream.last_key()
 
-    def fetch(self, key: RecordKey) -> T:
-        return self.upstream.fetch(key)
+    def fetch_many(self, keys: Sequence[RecordKey]) -> list[T]:
+        return self.upstream.fetch_many(keys)
 
     def _progress(self) -> dict[str, Any]:
         return {DROPPED: self.dropped}

@@ -34,8 +34,8 @@ class Map(Node[U]):
     def last_key(self) -> RecordKey | None:
         return self.upstream.last_key()
 
-    def fetch(self, key: RecordKey) -> U:
-        return self.fn(self.upstream.fetch(key))
+    def fetch_many(self, keys: Sequence[RecordKey]) -> list[U]:
+        return [self.fn(item) for item in self.upstream.fetch_many(keys)]
 
 
 class IndexedMap(IndexedNode[U]):

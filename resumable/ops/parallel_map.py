@@ -15,7 +15,7 @@ import threading
 import weakref
 from collections import deque
 from concurrent.futures import BrokenExecutor, Executor, ProcessPoolExecutor, ThreadPoolExecutor
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 from resumable.errors import ConfigError, ResumableError
 from resumable.node import Node, RecordKey
@@ -167,5 +167,5 @@ class ParallelMap(ReadAhead[U]):
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
 
-    def fetch(self, key: RecordKey) -> U:
-        return self.fn(self.upstream.fetch(key))
+    def fetch_many(self, keys: Sequence[RecordKey]) -> list[U]:
+        return [self.fn(item) for item in self.upstream.fetch_many(keys)]

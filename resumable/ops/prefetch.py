@@ -11,7 +11,7 @@ from __future__ import annotations
 import queue
 import threading
 import weakref
-from typing import Any, TypeVar
+from typing import Any, Sequence, TypeVar
 
 from resumable.errors import ConfigError
 from resumable.node import Node, RecordKey
@@ -176,9 +176,9 @@ class Prefetch(ReadAhead[T]):
         super()._begin_epoch(epoch)
         self._exhausted = False
 
-    def fetch(self, key: RecordKey) -> T:
+    def fetch_many(self, keys: Sequence[RecordKey]) -> list[T]:
         with self._lock:
-            return self.upstream.fetch(key)  # type: ignore[no-any-return]
+            return self.upstream.fetch_many(keys)
 
     def _load(self, state: Any, path: str, progress: bool = True) -> None:
         self._exhausted = False

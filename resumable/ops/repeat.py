@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, Sequence, TypeVar
 
 from resumable.errors import ConfigError, StateError
 from resumable.node import Node, RecordKey
@@ -57,8 +57,8 @@ class Repeat(Node[T]):
     def last_key(self) -> RecordKey | None:
         return self.upstream.last_key()
 
-    def fetch(self, key: RecordKey) -> T:
-        return self.upstream.fetch(key)
+    def fetch_many(self, keys: Sequence[RecordKey]) -> list[T]:
+        return self.upstream.fetch_many(keys)
 
     def _progress(self) -> dict[str, Any]:
         return {EPOCHS_DONE: self.epochs_done, YIELDED: self._yielded}

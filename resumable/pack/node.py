@@ -542,7 +542,14 @@ class Pack(Node[dict[str, np.ndarray]]):
         span_ref = require(state, SPAN, list, path)
         exhausted = require(state, EXHAUSTED, bool, path)
 
+        inherited_refs = require(state, INHERITED, list, path)
         fetcher = _Refetcher(self, path)
+        fetcher.fetch(
+            [(entry, OPEN) for group in open_groups for entry in group]
+            + [(entry, READY) for row in ready_rows for entry in row]
+            + ([(span_ref, SPAN)] if span_ref else [])
+            + [(entry, INHERITED) for entry in inherited_refs]
+        )
         pieces: dict[int, Piece] = {}
 
         def load(entry: Any, where: str) -> int:
@@ -566,7 +573,7 @@ class Pack(Node[dict[str, np.ndarray]]):
             span = fetcher.piece(span_ref, SPAN)
             if (span.end - span.start) % self.seq_len:
                 raise StateError(f"{path}: {SPAN} {span_ref} is not a whole number of rows of {self.seq_len}")
-        inherited = deque(fetcher.piece(entry, INHERITED) for entry in require(state, INHERITED, list, path))
+        inherited = deque(fetcher.piece(entry, INHERITED) for entry in inherited_refs)
 
         packer = self._new_packer()
         try:
@@ -612,39 +619,48 @@ class Pack(Node[dict[str, np.ndarray]]):
 
 
 class _Refetcher:
-    """Turns saved piece references back into pieces, fetching each record once."""
+    """Turns saved piece references back into pieces, fetching each record once, all of them in
+    one ``fetch_many`` call (a stream then reads each file once, in offset order)."""
 
     def __init__(self, pack: Pack, path: str) -> None:
         self._pack = pack
         self._path = path
         self._records: dict[RecordKey, tuple[np.ndarray, np.ndarray | None]] = {}
 
-    def piece(self, entry: Any, where: str) -> Piece:
-        path = self._path
+    def _ref(self, entry: Any, where: str) -> tuple[int, int, int, int]:
         if (
             not isinstance(entry, list)
             or len(entry) != PIECE_FIELDS
             or any(isinstance(value, bool) or not isinstance(value, int) or value < 0 for value in entry)
         ):
             raise StateError(
-                f"{path}: {where} entry {entry!r} is not [epoch, record, token_start, token_end] of ints >= 0"
+                f"{self._path}: {where} entry {entry!r} is not [epoch, record, token_start, token_end] of ints >= 0"
             )
         epoch, index, start, end = entry
+        return epoch, index, start, end
+
+    def fetch(self, entries: list[tuple[Any, str]]) -> None:
+        """Fetch the records of ``(entry, where)`` references not fetched yet, in one call."""
+        keys = list(dict.fromkeys(self._ref(entry, where)[:2] for entry, where in entries))
+        keys = [key for key in keys if key not in self._records]
+        if not keys:
+            return
+        pack = self._pack
+        try:
+            records = pack.upstream.fetch_many(keys)  # type: ignore[union-attr]
+            for key, record in zip(keys, records):
+                self._records[key] = pack._read(record, key)
+        except (IndexError, ResumableError) as exc:
+            raise StateError(f"{self._path}: the buffered records cannot be fetched again: {exc}") from exc
+
+    def piece(self, entry: Any, where: str) -> Piece:
+        epoch, index, start, end = self._ref(entry, where)
         key = (epoch, index)
-        arrays = self._records.get(key)
-        if arrays is None:
-            pack = self._pack
-            try:
-                arrays = pack._read(pack.upstream.fetch(key), key)  # type: ignore[union-attr]
-            except (IndexError, ResumableError) as exc:
-                raise StateError(
-                    f"{path}: the buffered record {_key_text(key)} cannot be fetched again: {exc}"
-                ) from exc
-            self._records[key] = arrays
-        tokens, labels = arrays
+        self.fetch([(entry, where)])
+        tokens, labels = self._records[key]
         if not start < end <= len(tokens):
             raise StateError(
-                f"{path}: {where} entry {entry} is outside record {_key_text(key)} of {len(tokens)} tokens "
+                f"{self._path}: {where} entry {entry} is outside record {_key_text(key)} of {len(tokens)} tokens "
                 "(did the data change?)"
             )
         return _piece(epoch, index, start, end, tokens, labels)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import gzip
 import logging
 import os
-from typing import IO, Any
+from typing import IO, Any, Sequence
 
 import numpy as np
 import orjson
@@ -177,22 +177,29 @@ class JsonlStream(Node[Any]):
     def last_key(self) -> RecordKey | None:
         return self._last
 
-    def fetch(self, key: RecordKey) -> Any:
-        """The record whose line starts at the byte offset packed in ``key`` (gzip: decompresses
-        up to it)."""
-        _, packed = key
-        file, offset = packed >> OFFSET_BITS, packed & ((1 << OFFSET_BITS) - 1)
-        if not 0 <= file < len(self.paths):
-            raise IndexError(f"{self.kind}: record key {key!r} names no file")
-        self._files.check(file)
-        path = self.paths[file]
-        with reading(f"{self.kind}: cannot read {path!r}"), _open(path) as handle:
-            handle.seek(offset)
-            raw = handle.readline()
-        try:
-            return orjson.loads(raw)
-        except orjson.JSONDecodeError as error:
-            raise SourceError(f"{path}: no JSON record at byte {offset}: {error}") from error
+    def fetch_many(self, keys: Sequence[RecordKey]) -> list[Any]:
+        """The records whose lines start at the byte offsets packed in ``keys``. Each file is
+        opened once and read forward in offset order, so a gzip file is decompressed once up to
+        its last offset asked for, however many records are fetched from it."""
+        wanted: dict[int, list[tuple[int, int]]] = {}  # file -> [(offset, slot)]
+        for slot, (_, packed) in enumerate(keys):
+            file, offset = packed >> OFFSET_BITS, packed & ((1 << OFFSET_BITS) - 1)
+            if not 0 <= file < len(self.paths):
+                raise IndexError(f"{self.kind}: record key {(_, packed)!r} names no file")
+            wanted.setdefault(file, []).append((offset, slot))
+        records: list[Any] = [None] * len(keys)
+        for file, offsets in wanted.items():
+            self._files.check(file)
+            path = self.paths[file]
+            with reading(f"{self.kind}: cannot read {path!r}"), _open(path) as handle:
+                for offset, slot in sorted(offsets):
+                    handle.seek(offset)
+                    raw = handle.readline()
+                    try:
+                        records[slot] = orjson.loads(raw)
+                    except orjson.JSONDecodeError as error:
+                        raise SourceError(f"{path}: no JSON record at byte {offset}: {error}") from error
+        return records
 
     # -- epochs, state, shutdown ----------------------------------------------------------------
 

@@ -347,3 +347,21 @@ def test_a_malformed_last_component_is_a_state_error(last: Any) -> None:
     state["last"] = last
     with pytest.raises(rs.StateError, match="last"):
         build().set_state(state)
+
+
+def test_set_weights_under_a_prefetch_after_close_applies_from_the_next_item_handed_out() -> None:
+    def build(weights: dict[str, float]) -> tuple[Mix[Any], Node[Any]]:
+        parts = {name: rs.from_list([f"{name}{i}" for i in range(50)]) for name in ("a", "b")}
+        mixed = mix(parts, weights=weights, seed=0)
+        return mixed, mixed.prefetch(8)
+
+    mixed, pipe = build({"a": 1, "b": 1})
+    head = take(pipe, 6)
+    assert any(item.startswith("b") for item in head)
+    pipe.close()
+    mixed.set_weights({"a": 1, "b": 0})
+    assert all(item.startswith("a") for item in take(pipe, 6))
+    state = roundtrip(pipe.get_state())
+    _, resumed = build({"a": 1, "b": 0})
+    resumed.set_state(state)
+    assert take(resumed, 8) == take(pipe, 8)

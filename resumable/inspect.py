@@ -20,12 +20,23 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from resumable.errors import StateError
-from resumable.loader_state import FORMAT, FORMAT_NAME, LoaderState, parse_loader_state
-from resumable.node import Node
+from resumable.loader_state import LoaderState, parse_loader_state
+from resumable.node import EPOCH, LENGTH, POSITION, Node
+from resumable.ops.mix import COMPONENTS
 from resumable.order.elastic import Offset, Remap
-from resumable.state import ENDED, KIND, UPSTREAM, VERSION
+from resumable.order.shard import REMAP
+from resumable.pack.node import INHERITED, OPEN, OPEN_SIZES, READY, READY_SIZES, Pack
+from resumable.sources.files import FILES, LEGACY_FINGERPRINT_LENGTH, MTIME_NS, NAME, SIZE
+from resumable.state import ENDED, KIND, LOADER_FORMAT, LOADER_FORMAT_PREFIX, UPSTREAM, VERSION, check_json
 
-CURSOR_KEYS = ("epoch", "position", "length")
+CURSOR_KEYS = (EPOCH, POSITION, LENGTH)
+NODE_KEYS = (KIND, VERSION, UPSTREAM)  # a pipeline state holds all of them (a source, the first two)
+PIECES = (OPEN, READY, INHERITED)  # a packer's buffered references, [epoch, record, start, end]
+UNIX_EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
+# Counts the report shows (cursors, file sizes) fit int64; larger ones are damage.
+INT64_LIMIT = 2**63 - 1
+# A damaged value shown in an error is cut to this many characters: the error stays one line.
+SHOWN_CHARACTERS = 80
 
 PipelineFactory = Callable[[], Node[Any]]
 
@@ -95,23 +106,25 @@ def find_states(source: str, obj: Any, build: PipelineFactory | None = None) -> 
     """Every pipeline state inside ``obj``, with rank and worker when a Loader state holds it.
 
     With ``build`` (the function that builds the pipeline), each DataLoader worker's state is
-    advanced from its snapshot to the last batch handed out.
+    advanced from its snapshot to the last batch handed out. Searched in order, without
+    recursion: a checkpoint may nest deeper than Python's stack.
     """
-    if isinstance(obj, str) and obj.startswith("{"):
-        try:
-            obj = json.loads(obj)  # rs.torch.PerRank stores states as JSON strings
-        except (ValueError, RecursionError):
-            return
-    if isinstance(obj, dict) and KIND in obj and VERSION in obj:
-        yield Found(source, None, None, None, None, obj)
-    elif isinstance(obj, dict) and obj.get(FORMAT) == FORMAT_NAME:
-        yield from _loader_states(source, parse_loader_state(obj, f"{source}: Loader"), build)
-    elif isinstance(obj, dict):
-        for value in obj.values():
-            yield from find_states(source, value, build)
-    elif isinstance(obj, list):
-        for value in obj:
-            yield from find_states(source, value, build)
+    pending = [obj]
+    while pending:
+        obj = pending.pop()
+        if isinstance(obj, str) and obj.startswith("{"):
+            try:
+                obj = json.loads(obj)  # rs.torch.PerRank stores states as JSON strings
+            except (ValueError, RecursionError):
+                continue
+        if isinstance(obj, dict) and sum(key in obj for key in NODE_KEYS) >= 2:  # a node state, perhaps damaged
+            yield Found(source, None, None, None, None, obj)
+        elif isinstance(obj, dict) and str(obj.get(LOADER_FORMAT)).startswith(LOADER_FORMAT_PREFIX):
+            yield from _loader_states(source, parse_loader_state(obj, f"{source}: Loader"), build)
+        elif isinstance(obj, dict):
+            pending.extend(reversed(obj.values()))
+        elif isinstance(obj, list):
+            pending.extend(reversed(obj))
 
 
 def _loader_states(source: str, loader: LoaderState, build: PipelineFactory | None) -> Iterator[Found]:
@@ -148,6 +161,8 @@ def describe(path: str, build: PipelineFactory | None = None) -> str:
     found = [f for source, obj in load_any(path) for f in find_states(source, obj, build)]
     if not found:
         raise StateError(f"{path}: no resumable state found")
+    for item in found:
+        check_readable(item)
     lines = [f"{path}: {len(found)} pipeline state{'s' if len(found) != 1 else ''}"]
     lines.append("pipeline: " + " > ".join(node[KIND] for node in chain(found[0].state)))
     lines.append("")
@@ -226,7 +241,7 @@ def _node_details(state: dict[str, Any]) -> list[str]:
     for node in chain(state):
         fields = []
         for key, value in node.items():
-            if key in (KIND, VERSION, UPSTREAM, ENDED, "files", "components", "remap", *CURSOR_KEYS):
+            if key in (KIND, VERSION, UPSTREAM, ENDED, FILES, COMPONENTS, REMAP, *CURSOR_KEYS):
                 continue
             if isinstance(value, list):
                 fields.append(f"{key}: {len(value)} entries")
@@ -236,11 +251,11 @@ def _node_details(state: dict[str, Any]) -> list[str]:
                 fields.append(f"{key}={value}")
         if fields:
             lines.append(f"  {node[KIND]}: " + ", ".join(fields))
-        if node[KIND] == "Pack":
+        if node[KIND] == Pack.kind:
             lines.append("    buffer: " + _pack_buffer(node))
-        if isinstance(node.get("remap"), dict):
-            lines.extend("    " + line for line in _remap_lines(node["remap"]))
-        for name, component in (node.get("components") or {}).items():
+        if isinstance(node.get(REMAP), dict):
+            lines.extend("    " + line for line in _remap_lines(node[REMAP], node[KIND]))
+        for name, component in (node.get(COMPONENTS) or {}).items():
             lines.append(f"    component {name}: {_cursor_text(component)}")
             lines.extend("    " + line for line in _node_details(component))
     return lines
@@ -257,11 +272,11 @@ def _cursor_text(state: dict[str, Any]) -> str:
 
 def _pack_buffer(node: dict[str, Any]) -> str:
     """The packer's buffered references: open rows still filling, closed rows not yet emitted."""
-    open_pieces, open_rows = len(node.get("open", [])), len(node.get("open_sizes", []))
-    ready_pieces, ready_rows = len(node.get("ready", [])), len(node.get("ready_sizes", []))
-    inherited = node.get("inherited", [])
-    references = [*node.get("open", []), *node.get("ready", []), *inherited]
-    documents = {(ref[0], ref[1]) for ref in references if isinstance(ref, list)}
+    open_pieces, open_rows = len(node.get(OPEN, [])), len(node.get(OPEN_SIZES, []))
+    ready_pieces, ready_rows = len(node.get(READY, [])), len(node.get(READY_SIZES, []))
+    inherited = node.get(INHERITED, [])
+    references = [*node.get(OPEN, []), *node.get(READY, []), *inherited]
+    documents = {(ref[0], ref[1]) for ref in references}
     text = (
         f"{len(documents)} documents referenced: {open_pieces} pieces in {open_rows} open groups, "
         f"{ready_pieces} pieces in {ready_rows} closed rows not yet emitted"
@@ -271,9 +286,9 @@ def _pack_buffer(node: dict[str, Any]) -> str:
     return text
 
 
-def _remap_lines(value: dict[str, Any]) -> list[str]:
+def _remap_lines(value: dict[str, Any], path: str) -> list[str]:
     """An elastic rescale's remap: what this shard strides over, level by level."""
-    remap = Remap.from_json(value, "Shard")
+    remap = Remap.from_json(value, path)
     lines = [f"rescaled epoch {remap.epoch}: strides over the {remap.length:,} positions left by earlier topologies"]
     for step in remap.steps:
         if isinstance(step, Offset):
@@ -291,12 +306,108 @@ def _remap_lines(value: dict[str, Any]) -> list[str]:
 def _files(state: dict[str, Any]) -> list[str]:
     lines = []
     for node in chain(state):
-        files = node.get("files")
+        files = node.get(FILES)
         if not isinstance(files, list):
             continue
         lines.append("")
         lines.append(f"files of {node[KIND]} ({len(files)}):")
         for name, size, mtime_ns, *_ in files:  # [path, size, mtime_ns, digest]; old states lack the digest
-            when = datetime.datetime.fromtimestamp(mtime_ns / 1e9, tz=datetime.timezone.utc)
+            when = _modified(mtime_ns, node[KIND])
             lines.append(f"  {name}  {size / 1e6:,.1f} MB  modified {when:%Y-%m-%d %H:%M:%S} UTC")
     return lines
+
+
+def _modified(mtime_ns: int, where: str) -> datetime.datetime:
+    """A file's modification time from its fingerprint; StateError if no date holds it."""
+    try:
+        return UNIX_EPOCH + datetime.timedelta(microseconds=mtime_ns // 1000)
+    except OverflowError as error:
+        raise StateError(f"{where}: a file's mtime_ns {_shown(mtime_ns)} is no date in the years 1 to 9999") from error
+
+
+def check_readable(item: Found) -> None:
+    """Raise StateError unless the report can read what it shows of ``item.state``: every
+    node's kind, cursor, packer buffer, mix components, shard remap and file fingerprints.
+    Only what the report reads is checked (a pipeline checks the rest when it restores);
+    the error names the state file, rank and worker, the node's path and the field."""
+    where = item.source if item.rank is None else f"{item.source} {_consumer_label(item)}"
+    check_json(item.state, where)  # only JSON, and shallow enough to walk
+    _check_nodes(item.state, where, "")
+
+
+def _check_nodes(state: Any, where: str, outer: str) -> None:
+    """A chain of node states down to its source, and each mix component's chain; ``outer``
+    is the path that leads to ``state`` (empty for the outermost node)."""
+    node, path, place = state, outer, outer or "the outermost node"
+    while True:
+        if not isinstance(node, dict):
+            raise StateError(f"{where}: {place}: a node state is a {type(node).__name__}, not an object")
+        kind = _entry(node, KIND, f"{where}: {place}", lambda value: isinstance(value, str), "a string")
+        path = f"{path} > {kind}" if path else kind
+        at = f"{where}: {path}"
+        if POSITION in node:
+            for key in (EPOCH, POSITION, LENGTH) if LENGTH in node else (EPOCH, POSITION):
+                _entry(node, key, at, _is_count, f"an int in [0, {INT64_LIMIT}]")
+        if isinstance(node.get(FILES), list):
+            for index, fingerprint in enumerate(node[FILES]):
+                _check_fingerprint(fingerprint, f"{at}: state entry {FILES!r}[{index}]")
+        if kind == Pack.kind:
+            _check_pack_buffer(node, at)
+        if isinstance(node.get(REMAP), dict):
+            _remap_lines(node[REMAP], at)  # reads the remap as the report does, or raises StateError
+        components = node.get(COMPONENTS) or {}
+        if not isinstance(components, dict):
+            raise StateError(f"{at}: state entry {COMPONENTS!r} is {_shown(components)}, expected an object")
+        for name, component in components.items():
+            _check_nodes(component, where, f"{path}[{name}]")
+        if UPSTREAM not in node:
+            return
+        node, place = node[UPSTREAM], f"{path} > {UPSTREAM}"
+
+
+def _check_fingerprint(fingerprint: Any, at: str) -> None:
+    """``[path, size, mtime_ns, digest]`` (older states lack the digest)."""
+    if (
+        not isinstance(fingerprint, list)
+        or len(fingerprint) < LEGACY_FINGERPRINT_LENGTH
+        or not isinstance(fingerprint[NAME], str)
+        or not _is_count(fingerprint[SIZE])
+        or isinstance(fingerprint[MTIME_NS], bool)
+        or not isinstance(fingerprint[MTIME_NS], int)
+    ):
+        raise StateError(f"{at} is {_shown(fingerprint)}, expected [path, size, mtime_ns, digest]")
+    _modified(fingerprint[MTIME_NS], at)
+
+
+def _check_pack_buffer(node: dict[str, Any], at: str) -> None:
+    """The lists ``_pack_buffer`` counts, and the document key heading each reference."""
+    for key in (*PIECES, OPEN_SIZES, READY_SIZES):
+        if key in node:
+            _entry(node, key, at, lambda value: isinstance(value, list), "a list")
+    for key in PIECES:
+        for index, piece in enumerate(node.get(key, [])):
+            if not isinstance(piece, list) or len(piece) < 2 or not all(_is_count(value) for value in piece[:2]):
+                raise StateError(
+                    f"{at}: state entry {key!r}[{index}] is {_shown(piece)}, expected [epoch, record, start, end]"
+                )
+
+
+def _entry(holder: dict[str, Any], key: str, at: str, valid: Callable[[Any], bool], expected: str) -> Any:
+    """``holder[key]``, if there and ``valid``; StateError naming the entry otherwise."""
+    if key not in holder:
+        raise StateError(f"{at}: state has no {key!r} entry")
+    value = holder[key]
+    if not valid(value):
+        raise StateError(f"{at}: state entry {key!r} is {_shown(value)}, expected {expected}")
+    return value
+
+
+def _is_count(value: Any) -> bool:
+    """An int in ``[0, INT64_LIMIT]`` (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= INT64_LIMIT
+
+
+def _shown(value: Any) -> str:
+    """``repr(value)``, cut short for a one-line error."""
+    text = repr(value)
+    return text if len(text) <= SHOWN_CHARACTERS else text[: SHOWN_CHARACTERS - 3] + "..."

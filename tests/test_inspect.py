@@ -209,10 +209,12 @@ def test_unreadable_or_corrupt_files_are_errors_not_tracebacks(
     worker["fetcher_state"]["dataset_iter_state"]["pipeline"] = "{"
     rs.save_state(state, tmp_path / "corrupt.json")
     (tmp_path / "truncated.json").write_text('{"format": ')
+    rs.save_state(dict(state, format="resumable.Loader/2"), tmp_path / "older.json")
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
     for name, message in (
         ("corrupt.json", "rank 0/1 worker 1 at loader._snapshot._worker_snapshots.worker_1: the pipeline state is not"),
         ("truncated.json", "truncated.json: not valid JSON"),
+        ("older.json", "older.json: Loader: not a resumable Loader state (format 'resumable.Loader/3' expected, got "),
         ("junk.pt", "junk.pt: neither JSON nor a torch checkpoint"),
     ):
         assert main(["inspect", str(tmp_path / name)]) == 2

@@ -54,7 +54,8 @@ def write(tmp_path: Path, data: bytes, name: str = "data.jsonl") -> str:
 def check(index: LineIndex, data: bytes, *, line_numbers: bool = True) -> None:
     starts, numbers, blank_lines, has_bom = reference(data)
     assert index.offsets(0, len(starts)).tolist() == starts  # verified reads first: they may rebuild
-    assert index.offsets_at(np.arange(len(starts), dtype=np.int64)[::-1]).tolist() == starts[::-1]
+    backwards = np.arange(len(starts) - 1, dtype=np.int64)[::-1]
+    assert [bounds.tolist() for bounds in index.spans(backwards)] == [starts[-2::-1], starts[:0:-1]]
     assert index.starts.dtype == np.uint64
     assert index.starts.tolist() == starts
     assert index.num_records == len(index) == len(starts) - 1
@@ -387,11 +388,11 @@ def test_blocks_are_verified_once_and_only_when_used(tmp_path: Path, monkeypatch
     expected = reference(data)[0]
     assert index._unverified == 13
     assert index.offsets(0, 10).tolist() == expected[:10]  # blocks 0-2
-    assert index.offsets_at(np.array([45, 12, 13], dtype=np.int64)).tolist() == [expected[i] for i in (45, 12, 13)]
+    assert index.spans(np.array([45, 12, 13], dtype=np.int64))[0].tolist() == [expected[i] for i in (45, 12, 13)]
     assert index._unverified == 8 and builds == []
     assert index.offsets(0, 10).tolist() == expected[:10]  # verified blocks are not checked again
     with pytest.warns(SidecarWarning, match="block 9 "):
-        assert index.offsets_at(np.array([37, 39], dtype=np.int64)).tolist() == [expected[37], expected[39]]
+        assert index.spans(np.array([37, 39], dtype=np.int64))[1].tolist() == [expected[38], expected[40]]
     assert builds == [path] and index._unverified == 0
     check(index, data)
 

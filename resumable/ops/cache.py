@@ -282,29 +282,28 @@ class Cache(IndexedNode[T]):
     def _from_disk(self, positions: list[int]) -> list[T]:
         """Records at ``positions`` from their blocks, computing and storing missing blocks.
 
-        Each block is checked once per call (``DiskStore.view``: its file still has its mapped
-        size), right before its records are read. If a block had to be computed, which takes a
-        while, the blocks checked before it are checked again."""
+        Each block is checked once per call (``DiskStore.view``: its file still has the size it
+        was mapped with) before its records are read, and again after any block had to be
+        computed, which takes a while."""
+        records: list[Any] = []
         size = self.block_size
-        blocks = list(dict.fromkeys(position // size for position in positions))
+        views: dict[int, disk_cache.BlockView] = {}  # checked since the last block was computed
         computed = self.computed
-        views = self._views(blocks)
-        if views is not None and self.computed != computed:
-            views = self._views(blocks)
-        if views is None:  # the directory stopped being writable: memory from now on
-            return self._from_memory(positions)
-        return [views[position // size].record(position % size) for position in positions]
-
-    def _views(self, blocks: list[int]) -> dict[int, disk_cache.BlockView] | None:
-        """The views of ``blocks`` (computed and stored where missing), or None once the
-        directory stops being writable."""
-        views = {}
-        for block in blocks:
-            view = self._block(block)
-            if view is None:
-                return None
-            views[block] = view
-        return views
+        block, view = -1, None
+        for position in positions:
+            if position // size != block:
+                block = position // size
+                view = views.get(block)
+                if view is None:
+                    view = self._block(block)
+                    if view is None:  # the directory stopped being writable: memory from now on
+                        return records + self._from_memory(positions[len(records) :])
+                    if self.computed != computed:
+                        computed = self.computed
+                        views.clear()
+                    views[block] = view
+            records.append(view.record(position - block * size))  # type: ignore[union-attr]
+        return records
 
     def _block(self, block: int) -> disk_cache.BlockView | None:
         disk = self._disk

@@ -138,8 +138,8 @@ class JsonlSource(FileSource[Any]):
     def _slices(self, file: int, local: np.ndarray) -> list[bytes]:
         mapped = self._map(file)
         index = self._index(file)
-        starts, ends = index.offsets_at(np.stack((local, local + 1))).tolist()
-        return [mapped[a:b] for a, b in zip(starts, ends)]
+        starts, ends = index.spans(local)
+        return [mapped[a:b] for a, b in zip(starts.tolist(), ends.tolist())]
 
     def _decoder(self) -> Callable[[Any], Any]:
         return orjson.loads

@@ -99,7 +99,7 @@ class LineIndex:
     ``starts`` has ``num_records + 1`` entries; record ``i`` is ``data[starts[i]:starts[i+1]]``,
     which includes its newline and any blank lines after it (JSON whitespace), and the last
     entry is the file size. Blank lines before the first record and a UTF-8 BOM are skipped.
-    Readers go through ``offsets`` and ``offsets_at``, which verify a loaded sidecar's blocks.
+    Readers go through ``offsets`` and ``spans``, which verify a loaded sidecar's blocks.
     """
 
     def __init__(
@@ -242,15 +242,17 @@ class LineIndex:
                 self._verify(block)
         return self.starts[first:stop]
 
-    def offsets_at(self, entries: npt.NDArray[np.int64]) -> npt.NDArray[np.uint64]:
-        """``starts[entries]`` (an array of any shape), their blocks verified."""
+    def spans(self, records: npt.NDArray[np.int64]) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
+        """``(starts[records], starts[records + 1])``: where each record begins and ends, the
+        blocks of both verified."""
         if self._mapping is not None:
             self._check_mapping(self._mapping)
+        ends = records + 1
         if self._unverified:
-            blocks = entries // self._block_entries
+            blocks = np.concatenate((records, ends)) // self._block_entries
             for block in sorted(set(blocks[~self._verified[blocks]].tolist())):
                 self._verify(block)
-        return self.starts[entries]
+        return self.starts[records], self.starts[ends]
 
     def _use(
         self,

@@ -8,6 +8,7 @@ upstream's state under ``UPSTREAM``. Errors name the node's path in the pipeline
 
 from __future__ import annotations
 
+import reprlib
 from typing import Any, Mapping, Sequence
 
 from resumable.errors import StateError
@@ -36,7 +37,7 @@ def require(state: Mapping[str, Any], key: str, types: type | tuple[type, ...], 
     value = state[key]
     wrong_bool = isinstance(value, bool) and types is int
     if not isinstance(value, types) or wrong_bool:
-        raise StateError(f"{path}: state entry {key!r} is {value!r}, expected {_type_names(types)}")
+        raise StateError(f"{path}: state entry {key!r} is {short_repr(value)}, expected {_type_names(types)}")
     return value
 
 
@@ -94,7 +95,10 @@ def check_config(state: Mapping[str, Any], config: Mapping[str, Any], path: str)
             raise StateError(f"{path}: state has no {key!r} entry")
         saved = state[key]
         if saved != expected:
-            raise StateError(f"{path}: state was saved with {key}={saved!r}, this pipeline has {key}={expected!r}")
+            raise StateError(
+                f"{path}: state was saved with {key}={short_repr(saved)}, "
+                f"this pipeline has {key}={short_repr(expected)}"
+            )
 
 
 def check_json(value: Any, path: str) -> None:
@@ -114,6 +118,12 @@ def check_json(value: Any, path: str) -> None:
             pending.extend((child, depth + 1) for child in item)
         elif not isinstance(item, JSON_SCALARS):
             raise StateError(f"{path}: state holds a {type(item).__name__}, only JSON types are allowed")
+
+
+def short_repr(value: Any, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters: a hostile state may hold huge values."""
+    text = reprlib.repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _type_names(types: type | tuple[type, ...]) -> str:

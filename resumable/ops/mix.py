@@ -63,7 +63,7 @@ from typing import Any, Mapping, NoReturn, TypeVar
 from resumable.errors import ConfigError, StateError
 from resumable.node import Node, RecordKey
 from resumable.order.lcg import _splitmix64
-from resumable.state import ENDED, check_config, check_header, require, require_count
+from resumable.state import ENDED, check_config, check_header, require, require_count, short_repr
 
 T = TypeVar("T")
 
@@ -373,7 +373,7 @@ class Mix(Node[T]):
         saved = state.get(NAMES)
         if saved != list(self.names):
             raise StateError(
-                f"{path}: state was saved for components {saved!r}, this mix has {list(self.names)!r}"
+                f"{path}: state was saved for components {short_repr(saved)}, this mix has {list(self.names)!r}"
             )
         check_config(state, self._config(), path)
 
@@ -425,7 +425,7 @@ class Mix(Node[T]):
             value = entry[name]
             bad_bool = isinstance(value, bool) and types is not bool
             if not isinstance(value, types) or bad_bool:
-                raise StateError(f"{path}: state entry {key}[{name!r}] is {value!r}")
+                raise StateError(f"{path}: state entry {key}[{name!r}] is {short_repr(value)}")
             values[name] = value
         return values
 

@@ -20,7 +20,7 @@ from resumable.errors import ConfigError, ResumableError, SourceError, StateErro
 from resumable.node import IndexedNode, Node, RecordKey
 from resumable.pack.rows import RowFormat, Segment, collate_rows, cu_seqlens_length
 from resumable.pack.strategies import STRATEGIES, NextFit, Packer, Row, best_fit_decreasing, make_packer
-from resumable.state import ENDED, require, require_count
+from resumable.state import ENDED, require, require_count, short_repr
 
 DEFAULT_BUFFER_SIZE = 1000
 OVERLONG_POLICIES = ("split", "truncate", "drop")
@@ -634,7 +634,8 @@ class _Refetcher:
             or any(isinstance(value, bool) or not isinstance(value, int) or value < 0 for value in entry)
         ):
             raise StateError(
-                f"{self._path}: {where} entry {entry!r} is not [epoch, record, token_start, token_end] of ints >= 0"
+                f"{self._path}: {where} entry {short_repr(entry)} is not "
+                "[epoch, record, token_start, token_end] of ints >= 0"
             )
         epoch, index, start, end = entry
         return epoch, index, start, end

@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import pyarrow as pa
 
 from resumable.errors import SourceError, StateError
+from resumable.state import short_repr
 
 PathLike = Union[str, "os.PathLike[str]"]
 Paths = Union[PathLike, Sequence[PathLike]]
@@ -233,4 +234,4 @@ def _parse(saved: Any, path: str) -> Fingerprint:
         and (len(saved) == LEGACY_FINGERPRINT_LENGTH or saved[DIGEST] is None or isinstance(saved[DIGEST], str))
     ):
         return saved if len(saved) > LEGACY_FINGERPRINT_LENGTH else [*saved, None]
-    raise StateError(f"{path}: malformed file fingerprint {saved!r}")
+    raise StateError(f"{path}: malformed file fingerprint {short_repr(saved)}")

@@ -37,6 +37,7 @@ from resumable.state import (
     require,
     require_adjacent_epochs,
     require_count,
+    short_repr,
 )
 
 logger = logging.getLogger("resumable")
@@ -247,7 +248,9 @@ class JsonlStream(Node[Any]):
                 and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in item)
                 and item[0] < len(self.paths)
             ):
-                raise StateError(f"{path}: queue entry {item!r} is not [file, byte offset, line] of this source")
+                raise StateError(
+                    f"{path}: queue entry {short_repr(item)} is not [file, byte offset, line] of this source"
+                )
             limit = self._offset_limit(item[0])
             if item[1] > limit:
                 raise StateError(

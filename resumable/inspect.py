@@ -24,7 +24,7 @@ from resumable.loader_state import LoaderState, parse_loader_state
 from resumable.node import EPOCH, LENGTH, POSITION, Node
 from resumable.ops.mix import COMPONENTS
 from resumable.order.elastic import Offset, Remap
-from resumable.order.shard import REMAP
+from resumable.order.shard import NEXT_REMAP, REMAP
 from resumable.pack.node import INHERITED, OPEN, OPEN_SIZES, READY, READY_SIZES, Pack
 from resumable.sources.files import FILES, LEGACY_FINGERPRINT_LENGTH, MTIME_NS, NAME, SIZE
 from resumable.state import ENDED, KIND, LOADER_FORMAT, LOADER_FORMAT_PREFIX, UPSTREAM, VERSION, check_json
@@ -241,7 +241,7 @@ def _node_details(state: dict[str, Any]) -> list[str]:
     for node in chain(state):
         fields = []
         for key, value in node.items():
-            if key in (KIND, VERSION, UPSTREAM, ENDED, FILES, COMPONENTS, REMAP, *CURSOR_KEYS):
+            if key in (KIND, VERSION, UPSTREAM, ENDED, FILES, COMPONENTS, REMAP, NEXT_REMAP, *CURSOR_KEYS):
                 continue
             if isinstance(value, list):
                 fields.append(f"{key}: {len(value)} entries")
@@ -253,8 +253,9 @@ def _node_details(state: dict[str, Any]) -> list[str]:
             lines.append(f"  {node[KIND]}: " + ", ".join(fields))
         if node[KIND] == Pack.kind:
             lines.append("    buffer: " + _pack_buffer(node))
-        if isinstance(node.get(REMAP), dict):
-            lines.extend("    " + line for line in _remap_lines(node[REMAP], node[KIND]))
+        for key in (REMAP, NEXT_REMAP):
+            if isinstance(node.get(key), dict):
+                lines.extend("    " + line for line in _remap_lines(node[key], node[KIND]))
         for name, component in (node.get(COMPONENTS) or {}).items():
             lines.append(f"    component {name}: {_cursor_text(component)}")
             lines.extend("    " + line for line in _node_details(component))
@@ -353,8 +354,9 @@ def _check_nodes(state: Any, where: str, outer: str) -> None:
                 _check_fingerprint(fingerprint, f"{at}: state entry {FILES!r}[{index}]")
         if kind == Pack.kind:
             _check_pack_buffer(node, at)
-        if isinstance(node.get(REMAP), dict):
-            _remap_lines(node[REMAP], at)  # reads the remap as the report does, or raises StateError
+        for key in (REMAP, NEXT_REMAP):
+            if isinstance(node.get(key), dict):
+                _remap_lines(node[key], at)  # reads the remap as the report does, or raises StateError
         components = node.get(COMPONENTS) or {}
         if not isinstance(components, dict):
             raise StateError(f"{at}: state entry {COMPONENTS!r} is {_shown(components)}, expected an object")

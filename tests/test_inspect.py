@@ -219,3 +219,19 @@ def test_unreadable_or_corrupt_files_are_errors_not_tracebacks(
     ):
         assert main(["inspect", str(tmp_path / name)]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_a_rescale_across_an_epoch_boundary_shows_both_remaps(tmp_path: Path) -> None:
+    from resumable.elastic import restore
+
+    def repeated(rank: int, world_size: int) -> rs.Node:
+        return rs.from_list(list(range(31))).shuffle(1).shard(rank, world_size).repeat(2)
+
+    old = [repeated(c, 2) for c in range(2)]
+    take(old[0], 2)
+    take(old[1], 17)  # 15 records in its shard: into epoch 1
+    new = repeated(0, 3)
+    restore(new, [pipe.get_state() for pipe in old])
+    rs.save_state(new.get_state(), tmp_path / "straddle.json")
+    out = describe(str(tmp_path / "straddle.json"))
+    assert "rescaled epoch 0: strides over the" in out and "rescaled epoch 1: strides over the" in out

@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import pickle
 import warnings
 from pathlib import Path
 from typing import Any
@@ -203,6 +204,18 @@ def test_stray_temp_and_corrupt_blocks_are_ignored(tmp_path: Path) -> None:
     counter = Counter()
     take(disk_pipe(tmp_path, counter), N)
     assert counter.calls == 0
+
+
+def test_a_cache_that_has_read_blocks_pickles_without_them(tmp_path: Path) -> None:
+    """Regression: open blocks (memory maps, Arrow getters) went into the pickle, which failed
+    once any block had been read; DataLoader workers map the files again instead."""
+    pipe = disk_pipe(tmp_path).shuffle(1)
+    first = take(pipe, N)
+    counter = Counter()
+    copied = pickle.loads(pickle.dumps(pipe))
+    copied.upstream.upstream.fn = counter  # the copy's map: counts what is computed again
+    assert all(same(a, b) for a, b in zip(take(copied, N), take(pipe, N)))
+    assert counter.calls == 0 and sorted(record["n"] for record in first) == list(range(N))
 
 
 def test_unwritable_directory_falls_back_to_memory_with_one_warning(tmp_path: Path) -> None:

@@ -229,6 +229,13 @@ class DiskStore:
             write_atomically(config_path, lambda out: out.write(payload))
         self.known = self.scan()
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle (DataLoader workers) without the open blocks: memory maps do not pickle, and a
+        worker maps the files again."""
+        state = self.__dict__.copy()
+        state["_views"] = OrderedDict()
+        return state
+
     def bounds(self, block: int) -> tuple[int, int]:
         start = block * self.block_size
         return start, min(start + self.block_size, self.length)

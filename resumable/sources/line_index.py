@@ -361,7 +361,7 @@ class LineIndex:
             expected = HEADER.size + OFFSET_DTYPE.itemsize * entries + CHECKSUM_DTYPE.itemsize * blocks
             if flags & ~FLAG_HAS_BOM or stored_size != expected:
                 raise _CorruptSidecar(f"{stored_size} bytes where its header implies {expected}")
-            mapping, body = _map_body(stored, entries + blocks)
+            body, mapping = _map_body(stored, entries + blocks)
             starts, block_checksums = body[:entries], body[entries:].view(CHECKSUM_DTYPE)  # one memory map
         has_bom = bool(flags & FLAG_HAS_BOM)
         first_allowed = len(UTF8_BOM) if has_bom else 0
@@ -536,12 +536,12 @@ def _block_checksums(starts: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
     )
 
 
-def _map_body(stored: IO[bytes], count: int) -> tuple[mmap.mmap, npt.NDArray[np.uint64]]:
-    """A read-only memory map of the open sidecar ``stored`` and the ``count`` values after its
-    header (offsets, then checksums). The map is kept so that its file's size can be checked
-    (``mmap.size`` is an ``fstat``) before each read."""
+def _map_body(stored: IO[bytes], count: int) -> tuple[npt.NDArray[np.uint64], mmap.mmap]:
+    """The ``count`` values after the header of the open sidecar ``stored`` (offsets, then
+    checksums), read-only through a memory map, and the map: kept so that its file's size can be
+    checked (``mmap.size`` is an ``fstat``) before each read."""
     mapping = mmap.mmap(stored.fileno(), 0, access=mmap.ACCESS_READ)
-    return mapping, np.frombuffer(mapping, dtype=OFFSET_DTYPE, count=count, offset=HEADER.size)
+    return np.frombuffer(mapping, dtype=OFFSET_DTYPE, count=count, offset=HEADER.size), mapping
 
 
 def _write_sidecar(sidecar: str, index: LineIndex) -> tuple[npt.NDArray[np.uint64], mmap.mmap]:
@@ -560,5 +560,4 @@ def _write_sidecar(sidecar: str, index: LineIndex) -> tuple[npt.NDArray[np.uint6
 
     write_atomically(sidecar, write)
     with open(sidecar, "rb") as stored:
-        mapping, mapped = _map_body(stored, len(starts))
-    return mapped, mapping
+        return _map_body(stored, len(starts))

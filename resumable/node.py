@@ -56,17 +56,31 @@ MIN_CHUNK = 16
 MAX_CHUNK = 4096
 
 
+NODE_KINDS: dict[str, type[Node[Any]]] = {}
+"""Node classes by the ``kind`` they declare: one class per name."""
+
+
 class Node(Generic[T]):
     """An iterator over one epoch of items whose position can be saved and restored."""
 
     kind: ClassVar[str] = "Node"
+    """The node's name in its states. Each node class declares it (``kind = "Batch"``) and a
+    subclass inherits it, so renaming or subclassing a class keeps checkpoints loadable; a
+    class that declares none and derives from no declaring class is named after itself."""
     # Whether the upstream's state includes its counters. An indexed node reads its upstream
     # by random access, so only the upstream's configuration matters.
     _upstream_progress: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        cls.kind = cls.__name__
+        if "kind" in cls.__dict__:
+            registered = NODE_KINDS.setdefault(cls.kind, cls)
+            if registered is not cls:
+                raise TypeError(
+                    f"{cls.__qualname__}: kind {cls.kind!r} is already the name of {registered.__qualname__}"
+                )
+        elif cls.kind not in NODE_KINDS:
+            cls.kind = cls.__name__
 
     def __init__(self, upstream: Node[Any] | None = None) -> None:
         if upstream is not None and not isinstance(upstream, Node):

@@ -131,3 +131,27 @@ def test_a_loader_state_given_to_a_pipeline_says_what_to_call() -> None:
     with pytest.raises(rs.StateError, match="resumable.elastic.restore"):
         pipe.set_state([pipe.get_state()])  # type: ignore[arg-type]
     assert next(pipe) == [0, 1]
+
+
+def test_node_kinds_are_declared_names_that_subclasses_keep() -> None:
+    """A state names its nodes by a declared kind, not the class name: a subclass (or a class
+    renamed in a refactoring) keeps loading the states of the class it derives from."""
+    from resumable.node import NODE_KINDS
+    from resumable.ops.batch import Batch
+
+    class LoggingBatch(Batch[Any]):
+        pass
+
+    assert LoggingBatch.kind == "Batch" and NODE_KINDS["Batch"] is Batch
+    pipe = rs.from_list(list(range(9))).batch(2)
+    next(pipe)
+    sub = LoggingBatch(rs.from_list(list(range(9))), 2)
+    sub.set_state(pipe.get_state())
+    assert next(sub) == [2, 3]
+    with pytest.raises(TypeError, match="already the name of"):
+        type("Impostor", (rs.Node,), {"kind": "Batch"})
+
+    class Custom(rs.Node[int]):
+        pass
+
+    assert Custom.kind == "Custom"

@@ -20,6 +20,8 @@ class Batch(Node[Any], Generic[T]):
     the state is the upstream's. The last, shorter batch of an epoch is kept unless ``drop_last``.
     """
 
+    kind = "Batch"
+
     upstream: Node[Any]
 
     def __init__(

@@ -195,6 +195,8 @@ class Cache(IndexedNode[T]):
     rebuilt from Arrow: numpy arrays come back as fresh writable arrays of the same dtype.
     """
 
+    kind = "Cache"
+
     def __init__(
         self,
         upstream: IndexedNode[T],

@@ -16,6 +16,8 @@ DROPPED = "dropped"
 class Filter(Node[T]):
     """Keep items for which ``predicate(item)`` is true; ``dropped`` counts the others this epoch."""
 
+    kind = "Filter"
+
     upstream: Node[Any]
 
     def __init__(self, upstream: Node[T], predicate: Callable[[T], bool]) -> None:

@@ -21,6 +21,8 @@ def _check_callable(kind: str, fn: Any) -> None:
 class Map(Node[U]):
     """Apply ``fn`` to each item of any upstream. Holds no state of its own."""
 
+    kind = "Map"
+
     upstream: Node[Any]
 
     def __init__(self, upstream: Node[T], fn: Callable[[T], U]) -> None:
@@ -44,6 +46,8 @@ class IndexedMap(IndexedNode[U]):
     Record ``i`` is ``fn(upstream[i])``, so shuffle and shard may come after the map and a
     resume never re-runs ``fn`` on records before the cursor.
     """
+
+    kind = "IndexedMap"
 
     upstream: IndexedNode[Any]
 

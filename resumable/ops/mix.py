@@ -105,6 +105,8 @@ class Mix(Node[T]):
         schedule: ``"smooth"`` (largest credit first) or ``"random"`` (keyed draws).
     """
 
+    kind = "Mix"
+
     _last: str | None
     _cached_plan: tuple[list[str], dict[str, float]] | None
     _cached_base: int | None

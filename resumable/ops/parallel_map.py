@@ -70,6 +70,8 @@ class ParallelMap(ReadAhead[U]):
     collection and at interpreter exit; it is kept across epochs and restores.
     """
 
+    kind = "ParallelMap"
+
     def __init__(self, upstream: Node[T], fn: Callable[[T], U], num_workers: int, mode: str = THREAD) -> None:
         super().__init__(upstream)
         if not callable(fn):

@@ -113,6 +113,8 @@ class Prefetch(ReadAhead[T]):
     and when the node is garbage-collected; it is a daemon thread.
     """
 
+    kind = "Prefetch"
+
     def __init__(self, upstream: Node[T], buffer_size: int = 4) -> None:
         super().__init__(upstream)
         self.buffer_size = check_positive_int(self.kind, BUFFER_SIZE, buffer_size)

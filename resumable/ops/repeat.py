@@ -22,6 +22,8 @@ class Repeat(Node[T]):
     yields nothing ends the iteration instead of spinning forever.
     """
 
+    kind = "Repeat"
+
     upstream: Node[Any]
 
     def __init__(self, upstream: Node[T], times: int | None = None) -> None:

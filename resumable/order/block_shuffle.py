@@ -181,6 +181,8 @@ class BlockShuffle(IndexedNode[T]):
     and the cursor.
     """
 
+    kind = "BlockShuffle"
+
     def __init__(
         self, upstream: IndexedNode[T], seed: int = 0, block_size: int | str | None = None, window: int | None = None
     ) -> None:

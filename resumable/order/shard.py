@@ -35,6 +35,8 @@ class Shard(IndexedNode[T]):
     old consumers left, and from the next epoch on over the whole epoch again.
     """
 
+    kind = "Shard"
+
     def __init__(
         self,
         upstream: IndexedNode[T],

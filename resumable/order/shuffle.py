@@ -22,6 +22,8 @@ class Shuffle(IndexedNode[T]):
     access, so the state is just the cursor and a resume costs nothing extra.
     """
 
+    kind = "Shuffle"
+
     def __init__(self, upstream: IndexedNode[T], seed: int = 0) -> None:
         super().__init__(upstream)
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:

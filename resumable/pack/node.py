@@ -171,6 +171,8 @@ class Pack(Node[dict[str, np.ndarray]]):
     stream never ends and documents of consecutive epochs share rows.
     """
 
+    kind = "Pack"
+
     collate = staticmethod(collate_rows)
 
     def __init__(

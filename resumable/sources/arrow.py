@@ -96,6 +96,8 @@ class ArrowSource(FileSource[dict[str, Any]]):
     lazily).
     """
 
+    kind = "ArrowSource"
+
     def __init__(self, paths: Paths) -> None:
         super().__init__()
         self.paths = expand_paths(paths, self.kind)
@@ -163,6 +165,8 @@ class HfSource(FileSource[dict[str, Any]]):
     flattening it. The state holds the dataset's fingerprint and its cache files' names, sizes
     and mtimes: resuming over another dataset or changed files is a ``StateError``.
     """
+
+    kind = "HfSource"
 
     def __init__(self, dataset: Any) -> None:
         super().__init__()

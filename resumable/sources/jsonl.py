@@ -40,6 +40,8 @@ class JsonlSource(FileSource[Any]):
     changed files is a ``StateError``, a file changed during the run a ``SourceError``.
     """
 
+    kind = "JsonlSource"
+
     def __init__(self, paths: Paths, on_error: str = "raise", cache_dir: str | None = None) -> None:
         super().__init__()
         if on_error not in ON_ERROR_CHOICES:

@@ -23,6 +23,8 @@ class FromList(Source[T]):
     endless or huge, and a restore needs the same records again, which an iterator cannot give.
     """
 
+    kind = "FromList"
+
     def __init__(self, records: Sequence[T]) -> None:
         super().__init__()
         if isinstance(records, (Iterator, Mapping)) or not (

@@ -80,6 +80,8 @@ class ParquetSource(FileSource[dict[str, Any]]):
     workers reopen them lazily).
     """
 
+    kind = "ParquetSource"
+
     def __init__(
         self, paths: Paths, columns: Sequence[str] | None = None, cache_row_groups: int = DEFAULT_CACHE_ROW_GROUPS
     ) -> None:

@@ -66,6 +66,8 @@ class JsonlStream(Node[Any]):
     files than consumers some consumers read nothing.
     """
 
+    kind = "JsonlStream"
+
     def __init__(
         self,
         paths: Paths,

@@ -101,6 +101,8 @@ class FromTorchdata(Node[T]):
     to do). Any other ``e`` raises ``ConfigError`` rather than silently replaying another pass.
     """
 
+    kind = "FromTorchdata"
+
     def __init__(self, base_node: BaseNode[T]) -> None:
         if not isinstance(base_node, BaseNode):
             raise ConfigError(f"FromTorchdata: expected a torchdata.nodes.BaseNode, got {type(base_node).__name__}")

@@ -31,7 +31,7 @@ from resumable.state import ENDED, KIND, LOADER_FORMAT, LOADER_FORMAT_PREFIX, UP
 
 CURSOR_KEYS = (EPOCH, POSITION, LENGTH)
 NODE_KEYS = (KIND, VERSION, UPSTREAM)  # a pipeline state holds all of them (a source, the first two)
-PIECES = (OPEN, READY, INHERITED)  # a packer's buffered references, [epoch, record, start, end]
+PIECES = (OPEN, READY, INHERITED)  # a packer's references, [*mix component names, epoch, record, start, end]
 UNIX_EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
 # Counts the report shows (cursors, file sizes) fit int64; larger ones are damage.
 INT64_LIMIT = 2**63 - 1
@@ -277,7 +277,7 @@ def _pack_buffer(node: dict[str, Any]) -> str:
     ready_pieces, ready_rows = len(node.get(READY, [])), len(node.get(READY_SIZES, []))
     inherited = node.get(INHERITED, [])
     references = [*node.get(OPEN, []), *node.get(READY, []), *inherited]
-    documents = {(ref[0], ref[1]) for ref in references}
+    documents = {tuple(ref[:-2]) for ref in references}
     text = (
         f"{len(documents)} documents referenced: {open_pieces} pieces in {open_rows} open groups, "
         f"{ready_pieces} pieces in {ready_rows} closed rows not yet emitted"
@@ -388,9 +388,15 @@ def _check_pack_buffer(node: dict[str, Any], at: str) -> None:
             _entry(node, key, at, lambda value: isinstance(value, list), "a list")
     for key in PIECES:
         for index, piece in enumerate(node.get(key, [])):
-            if not isinstance(piece, list) or len(piece) < 2 or not all(_is_count(value) for value in piece[:2]):
+            if (
+                not isinstance(piece, list)
+                or len(piece) < 4
+                or not all(_is_count(value) for value in piece[-4:])
+                or not all(isinstance(name, str) for name in piece[:-4])
+            ):
                 raise StateError(
-                    f"{at}: state entry {key!r}[{index}] is {_shown(piece)}, expected [epoch, record, start, end]"
+                    f"{at}: state entry {key!r}[{index}] is {_shown(piece)}, "
+                    "expected [mix component names..., epoch, record, start, end]"
                 )
 
 

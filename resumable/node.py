@@ -42,9 +42,23 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 U = TypeVar("U")
 
-RecordKey = tuple[int, int]
-"""``(epoch, index)``: a record's epoch and its index in the leaf source, the same whatever the
-shuffle and however the epoch is sharded, so buffers keep references that survive a rescale."""
+RecordKey = tuple[Any, ...]
+"""A record's provenance: ``(epoch, index)``, its epoch and its index in the leaf source (for a
+stream, its file and byte offset packed into one int), the same whatever the shuffle and however
+the epoch is sharded, so buffers keep references that survive a rescale. Each mix the record
+came through puts the name of its component in front: ``("web", epoch, index)``."""
+
+
+def leaf_key(key: Any, kind: str) -> tuple[int, int]:
+    """``key`` as the ``(epoch, index)`` of a leaf record; IndexError if it is not one (a state
+    whose references were damaged or belong to another pipeline)."""
+    if (
+        not isinstance(key, tuple)
+        or len(key) != 2
+        or not all(isinstance(part, (int, np.integer)) and not isinstance(part, bool) for part in key)
+    ):
+        raise IndexError(f"{kind}: {key!r} is not the (epoch, index) key of one of its records")
+    return int(key[0]), int(key[1])
 
 EPOCH = "epoch"
 POSITION = "position"
@@ -408,10 +422,11 @@ class IndexedNode(Node[T]):
 
     def fetch_many(self, keys: Sequence[RecordKey]) -> list[T]:
         size = len(self.leaf)
-        for _, index in keys:
-            if not isinstance(index, (int, np.integer)) or not 0 <= index < size:
+        indices = [leaf_key(key, self.kind)[1] for key in keys]
+        for index in indices:
+            if not 0 <= index < size:
                 raise IndexError(f"{self.kind}: record index {index!r} out of range [0, {size})")
-        return [self._record_of(int(index)) for _, index in keys]
+        return [self._record_of(index) for index in indices]
 
     def _record_of(self, index: int) -> T:
         """Leaf record ``index`` through this chain's decoder and maps."""

@@ -15,6 +15,7 @@ import resumable as rs
 from resumable import Node
 from resumable.ops.mix import Mix, mix
 from tests.resume import check_resume, restored, roundtrip, take
+from tests.sources import indexed_source, stream_source
 
 ON_END = ["stop", "drop", "restart"]
 SCHEDULES = ["smooth", "random"]
@@ -258,13 +259,102 @@ def test_pack_before_mix_resumes_exactly() -> None:
     check_resume(build, 5, 60, k2=33)
 
 
-def test_pack_after_mix_is_a_clear_config_error() -> None:
-    pipe = mix({"a": rs.from_list([{"input_ids": [1, 2]}]), "b": rs.from_list([{"input_ids": [3]}])})
-    with pytest.raises(rs.ConfigError, match="Pack each component"):
-        pipe.pack(8)
-    assert pipe.last_key() is None
-    with pytest.raises(rs.ConfigError):
-        list(rs.nodes.Pack(pipe.map(lambda x: x), 8))
+def tokenized(offset: int, count: int) -> list[dict[str, Any]]:
+    """Documents whose token ids name themselves: ``offset + 1000 * document + position + 1``."""
+    lengths = np.random.default_rng(offset).integers(0, 30, count).tolist()
+    return [
+        {"id": offset + i, "input_ids": (offset + 1000 * i + np.arange(n) + 1).tolist()} for i, n in enumerate(lengths)
+    ]
+
+
+def rows_as_lists(row: dict[str, Any]) -> list[int]:
+    return row["input_ids"][row["document_ids"] > 0].tolist()  # type: ignore[no-any-return]
+
+
+PACK_AFTER_MIX: dict[str, Callable[[str], Node[Any]]] = {
+    "best_fit_restart": lambda kind: mix(
+        {
+            "web": indexed_source(kind, tokenized(10**6, 50)).shuffle(0).filter(lambda d: d["id"] % 7 != 3),
+            "code": indexed_source(kind, tokenized(2 * 10**6, 30)).shuffle(1),
+        },
+        weights={"web": 2, "code": 1},
+        seed=5,
+        on_end="restart",
+    ).pack(32, buffer_size=6),
+    "greedy_stop_prefetch": lambda kind: mix(
+        {"web": indexed_source(kind, tokenized(10**6, 50)).shuffle(2), "code": rs.from_list(tokenized(3 * 10**6, 20))},
+        seed=1,
+    )
+    .prefetch(3)
+    .pack(24, strategy="greedy"),
+    "first_fit_nested_stream": lambda kind: mix(
+        {
+            "inner": mix(
+                {"a": indexed_source(kind, tokenized(10**6, 30)), "b": rs.from_list(tokenized(4 * 10**6, 20))}
+            ),
+            "stream": stream_source("jsonl_stream_gzip", tokenized(5 * 10**6, 25)),
+        },
+        on_end="drop",
+    ).pack(16, strategy="first_fit", buffer_size=4, overlong="split"),
+}
+
+
+@pytest.mark.parametrize("kind", ["list", "jsonl", "parquet"])
+@pytest.mark.parametrize("chain", sorted(PACK_AFTER_MIX))
+def test_pack_after_mix_resumes_exactly(chain: str, kind: str) -> None:
+    """A packer after a mix keeps references whose keys name the mix component, fetched again
+    from that component on restore: exact at the start, middle and end of an epoch and across
+    epochs, restoring once and twice."""
+
+    def build() -> Node[Any]:
+        return PACK_AFTER_MIX[chain](kind).map(rows_as_lists)
+
+    for k in (0, 9, 23):
+        check_resume(build, k, 45)
+    check_resume(build, 4, 45, k2=30)
+
+
+def test_pack_after_mix_packs_every_token_once_and_keys_name_the_component() -> None:
+    web, code = tokenized(10**6, 40), tokenized(2 * 10**6, 25)
+    mixed = mix({"web": rs.from_list(web).shuffle(3), "code": rs.from_list(code)}, on_end="drop")
+    pipe = mixed.pack(20, buffer_size=5)
+    tokens = sorted(t for row in pipe for t in rows_as_lists(row))
+    assert tokens == sorted(t for d in web + code for t in d["input_ids"])
+    pipe = mix({"web": rs.from_list(web), "code": rs.from_list(code)}).pack(20, buffer_size=5)
+    for _ in range(10):  # until documents wait in the buffer
+        next(pipe)
+        if pipe.get_state()["open"]:
+            break
+    keys = pipe.pending_keys()
+    assert keys and all(key[0] in ("web", "code") and len(key) == 3 for key in keys)
+    state = pipe.get_state()
+    references = state["open"] + state["ready"]
+    assert references and all(ref[0] in ("web", "code") and len(ref) == 5 for ref in references)
+
+
+def test_pack_after_a_mix_of_untraceable_items_is_a_clear_config_error() -> None:
+    from torchdata.nodes import IterableWrapper
+
+    from resumable.torch import FromTorchdata
+
+    pipe = mix({"a": FromTorchdata(IterableWrapper([{"input_ids": [1, 2]}])), "b": rs.from_list([{"input_ids": [3]}])})
+    with pytest.raises(rs.ConfigError, match="last_key"):
+        list(pipe.pack(8))
+
+
+def test_a_mix_component_whose_documents_are_all_empty_does_not_stop_the_packer() -> None:
+    """Empty documents are counted per component: one component without tokens, running
+    through its epochs (``restart``), does not look like an upstream that gives no tokens."""
+    empty = [{"input_ids": []} for _ in range(3)]
+    pipe = mix(
+        {"empty": rs.from_list(empty).shuffle(1), "full": rs.from_list(tokenized(10**6, 40))},
+        weights={"empty": 5, "full": 1},
+        on_end="restart",
+    ).pack(16, buffer_size=4)
+    assert len(take(pipe, 30)) == 30
+    barren = mix({"empty": rs.from_list(empty)}, on_end="restart").pack(16)
+    with pytest.raises(rs.SourceError, match="no document of epoch 1 of mix component empty"):
+        next(barren)
 
 
 @pytest.mark.parametrize(

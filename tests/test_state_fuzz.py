@@ -49,6 +49,9 @@ def chains(kind: str) -> dict[str, Build]:
         "pack_bfd_epoch": lambda: source().shuffle(4).pack(8, strategy="bfd").map(tokens),
         "prefetch_parallel": lambda: source().shuffle(6).map(ids, num_workers=2).prefetch(3).batch(2),
         "cache": lambda: source().cache().shuffle(7).shard(0, 2),
+        "mix_pack": lambda: rs.mix({"a": source().shuffle(2), "b": rs.from_list(DOCS[:9])}, on_end="restart")
+        .pack(8, buffer_size=4)
+        .map(tokens),
         "mix": lambda: rs.mix(
             {"a": source().shuffle(1).repeat(), "b": rs.from_list(list(range(9)))}, weights={"a": 2, "b": 1}, seed=3
         ),

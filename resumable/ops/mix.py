@@ -50,15 +50,15 @@ Weights are not part of the validated configuration: a pipeline built with other
 ``set_weights()``) loads a saved state and continues from the saved step with the new weights.
 The component names, ``on_end``, ``schedule`` and ``seed`` are validated.
 
-Provenance: ``last_key()`` is None, because documents of different components share the same
-``(epoch, position)`` keys; so ``pack()`` cannot follow a mix. Pack each component first, then
-mix packed rows.
+Provenance: ``last_key()`` is the key of the last item handed out with its component's name in
+front (``("web", epoch, index)``), and ``fetch_many`` sends each key to its component, so a
+packer (or any buffer that keeps references) may follow a mix.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, NoReturn, TypeVar
+from typing import Any, Mapping, Sequence, TypeVar
 
 from resumable.errors import ConfigError, StateError
 from resumable.node import Node, RecordKey
@@ -221,6 +221,11 @@ class Mix(Node[T]):
         return [name for name in self.names if self._active[name]]
 
     @property
+    def eligible(self) -> list[str]:
+        """Components the mix still chooses from: active, with a weight above zero."""
+        return list(self._plan()[0])
+
+    @property
     def restarts(self) -> dict[str, int]:
         """Epochs each component started inside this mix epoch (``on_end="restart"``)."""
         return dict(self._restarts)
@@ -334,16 +339,27 @@ class Mix(Node[T]):
     # -- provenance ------------------------------------------------------------------------------
 
     def last_key(self) -> RecordKey | None:
-        """None: items of different components cannot be told apart by ``(epoch, position)``."""
-        return None
+        """The last item's key in its component, behind the component's name (None before the
+        first item, or when that component cannot trace its items)."""
+        if self._last is None:
+            return None
+        key = self.components[self._last].last_key()
+        return None if key is None else (self._last, *key)
 
-    def pack(self, seq_len: int, **options: Any) -> NoReturn:
-        """Not supported after a mix: pack each component, then mix the packed rows."""
-        raise ConfigError(
-            f"{self.kind}: pack() cannot follow a mix: a packer checkpoints its buffer by record keys, "
-            "which a mix of several pipelines does not have (last_key() is None). Pack each component "
-            "before mixing: rs.mix({'web': web.pack(n), 'code': code.pack(n)}, ...)"
-        )
+    def fetch_many(self, keys: Sequence[RecordKey]) -> list[T]:
+        """The items with ``keys``, each fetched again by the component its key names."""
+        wanted: dict[str, list[int]] = {}
+        for slot, key in enumerate(keys):
+            name = key[0] if isinstance(key, tuple) and len(key) > 1 else None
+            if not isinstance(name, str) or name not in self.components:
+                raise IndexError(f"{self.kind}: {key!r} does not name a component of this mix first")
+            wanted.setdefault(name, []).append(slot)
+        items: list[Any] = [None] * len(keys)
+        for name, slots in wanted.items():
+            fetched = self.components[name].fetch_many([tuple(keys[slot][1:]) for slot in slots])
+            for slot, item in zip(slots, fetched):
+                items[slot] = item
+        return items
 
     # -- state -----------------------------------------------------------------------------------
 

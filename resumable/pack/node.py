@@ -1,11 +1,12 @@
 """Pack: token sequences into fixed-length rows, checkpointed by reference.
 
 The packer holds documents in a bounded buffer, but its state never holds tokens: every
-buffered piece is saved as ``[epoch, record, token_start, token_end]``, the provenance key of
-the indexed record it came from (``upstream.last_key()``: its index in the leaf source, the same
-on every rank, so pieces can move between consumers in an elastic rescale) plus a token range. A restore
-fetches those records again by random access (``upstream.fetch(key)``), so its cost is bounded
-by the buffer, never by the position in the epoch.
+buffered piece is saved as ``[*key, token_start, token_end]``: the provenance key of the record
+it came from (``upstream.last_key()``: ``(epoch, index in the leaf source)``, the same on every
+rank, so pieces can move between consumers in an elastic rescale, behind the names of the mix
+components it came through) plus a token range. A restore fetches the whole buffer again in one
+``upstream.fetch_many(keys)`` call, so its cost is bounded by the buffer, never by the position
+in the epoch.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import numpy as np
 
 from resumable.errors import ConfigError, ResumableError, SourceError, StateError
 from resumable.node import IndexedNode, Node, RecordKey
+from resumable.ops.mix import Mix
 from resumable.pack.rows import RowFormat, Segment, collate_rows, cu_seqlens_length
 from resumable.pack.strategies import STRATEGIES, NextFit, Packer, Row, best_fit_decreasing, make_packer
 from resumable.state import ENDED, require, require_count, short_repr
@@ -64,7 +66,8 @@ COUNTERS = (DOCUMENTS, SPLIT, TRUNCATED, DROPPED, EMPTY, ROWS, PADDING)
 DOCUMENT_COUNTERS = (DOCUMENTS, SPLIT, TRUNCATED, DROPPED, EMPTY)
 
 INT64_MAX = int(np.iinfo(np.int64).max)  # rows are int64: larger ids would wrap to negative ones
-PIECE_FIELDS = 4  # [epoch, record, token_start, token_end]: the record's index in the leaf source
+PIECE_FIELDS = 4
+"""Ints that end a piece reference ``[*component names, epoch, record, token_start, token_end]``."""
 
 
 @dataclass(frozen=True)
@@ -104,18 +107,18 @@ class Piece(NamedTuple):
     end: int
     tokens: np.ndarray
     labels: np.ndarray | None
-    ref: list[int]  # [epoch, record, start, end], built once: get_state shares it, nothing changes it
+    ref: list[Any]  # [*key, start, end], built once: get_state shares it, nothing changes it
 
     @property
     def key(self) -> RecordKey:
-        return (self.ref[0], self.ref[1])
+        return tuple(self.ref[:-2])
 
     def segment(self) -> Segment:
         return Segment(self.tokens, self.labels, self.start, self.end)
 
 
-def _piece(epoch: int, record: int, start: int, end: int, tokens: np.ndarray, labels: np.ndarray | None) -> Piece:
-    return Piece(start, end, tokens, labels, [epoch, record, start, end])
+def _piece(key: RecordKey, start: int, end: int, tokens: np.ndarray, labels: np.ndarray | None) -> Piece:
+    return Piece(start, end, tokens, labels, [*key, start, end])
 
 
 class Plan(NamedTuple):
@@ -244,7 +247,9 @@ class Pack(Node[dict[str, np.ndarray]]):
         self._span: Piece | None = None
         self._inherited: deque[Piece] = deque()
         self._exhausted = False
-        self._barren: int | None = None  # epoch where the current run of documents without tokens began
+        # Per origin (mix components): the epochs where the current run of documents without
+        # tokens began and where it is now.
+        self._barren: dict[RecordKey, list[int]] = {}
         self._counts = dict.fromkeys(COUNTERS, 0)
         self._plan: Plan | None = None
         self._emitted = 0
@@ -304,7 +309,7 @@ class Pack(Node[dict[str, np.ndarray]]):
         if self._inherited:
             piece = self._inherited.popleft()
             full = piece.start + (piece.end - piece.start) // self.seq_len * self.seq_len
-            self._add(*piece.key, piece.start, full, piece.end, piece.tokens, piece.labels)
+            self._add(piece.key, piece.start, full, piece.end, piece.tokens, piece.labels)
             return
         upstream = self.upstream
         try:
@@ -320,38 +325,56 @@ class Pack(Node[dict[str, np.ndarray]]):
                 "(last_key() is None), so the packer cannot checkpoint its buffer by reference; build "
                 "the pipeline from an indexed source with shuffle/shard/map, then filter/repeat, then pack()"
             )
-        epoch, index = key
         tokens, labels = self._read(record, key)
         full, end = self._cut(len(tokens), self._counts)
         if not end:
-            self._check_barren(epoch)
+            self._check_barren(key)
             return
-        self._barren = None
-        self._add(epoch, index, 0, full, end, tokens, labels)
+        self._barren.clear()
+        self._add(key, 0, full, end, tokens, labels)
 
     def _add(
-        self, epoch: int, index: int, start: int, full: int, end: int, tokens: np.ndarray, labels: np.ndarray | None
+        self, key: RecordKey, start: int, full: int, end: int, tokens: np.ndarray, labels: np.ndarray | None
     ) -> None:
         """Tokens ``[start, full)`` of a record make whole rows of their own, ``[full, end)``
         one piece for the strategy."""
         if full > start:
-            self._span = _piece(epoch, index, start, full, tokens, labels)
+            self._span = _piece(key, start, full, tokens, labels)
         if end > full:
             item = self._next_id
             self._next_id = item + 1
-            self._pieces[item] = _piece(epoch, index, full, end, tokens, labels)
+            self._pieces[item] = _piece(key, full, end, tokens, labels)
             self._ready.extend(self._packer.add(item, end - full))
 
-    def _check_barren(self, epoch: int) -> None:
+    def _check_barren(self, key: RecordKey) -> None:
         """Fail instead of spinning forever when a whole upstream epoch gives no tokens (every
-        document empty or dropped): after ``repeat()`` no row would ever come."""
-        if self._barren is None:
-            self._barren = epoch
-        elif epoch > self._barren + 1:
-            raise SourceError(
-                f"{self.kind}: no document of epoch {self._barren + 1} has tokens to pack (all are empty"
-                f"{' or dropped as longer than seq_len' if self.overlong == 'drop' else ''}), so no row can come"
-            )
+        document empty or dropped): after ``repeat()`` no row would ever come. After a mix,
+        epochs are counted per origin (the components a key names), since components run
+        through their epochs independently, and only when every component the mix still
+        chooses from is barren can no row come."""
+        origin, epoch = key[:-2], key[-2]
+        span = self._barren.setdefault(origin, [epoch, epoch])
+        span[1] = epoch
+        if epoch <= span[0] + 1:
+            return
+        first = span[0]
+        mix = self._upstream_mix()
+        if origin and mix is not None:
+            barren = {path[0] for path, (start, latest) in self._barren.items() if path and latest > start + 1}
+            if not set(mix.eligible) <= barren:
+                return
+        where = f" of mix component {'/'.join(map(str, origin))}" if origin else ""
+        raise SourceError(
+            f"{self.kind}: no document of epoch {first + 1}{where} has tokens to pack (all are empty"
+            f"{' or dropped as longer than seq_len' if self.overlong == 'drop' else ''}), so no row can come"
+        )
+
+    def _upstream_mix(self) -> Mix[Any] | None:
+        """The mix this packer's documents come from, through pass-through nodes, if any."""
+        node = self.upstream
+        while node is not None and not isinstance(node, Mix):
+            node = node.upstream
+        return node
 
     def _cut(self, length: int, counts: dict[str, int]) -> tuple[int, int]:
         """Apply the overlong policy to a document of ``length`` tokens and count it.
@@ -423,7 +446,7 @@ class Pack(Node[dict[str, np.ndarray]]):
         """The next whole row of a long document."""
         span: Piece = self._span  # type: ignore[assignment]
         stop = span.start + self.seq_len
-        self._span = _piece(*span.key, stop, span.end, span.tokens, span.labels) if stop < span.end else None
+        self._span = _piece(span.key, stop, span.end, span.tokens, span.labels) if stop < span.end else None
         self._counts[ROWS] += 1
         return self._format.build([Segment(span.tokens, span.labels, span.start, stop)])
 
@@ -629,22 +652,24 @@ class _Refetcher:
         self._path = path
         self._records: dict[RecordKey, tuple[np.ndarray, np.ndarray | None]] = {}
 
-    def _ref(self, entry: Any, where: str) -> tuple[int, int, int, int]:
+    def _ref(self, entry: Any, where: str) -> tuple[RecordKey, int, int]:
+        """``(key, token_start, token_end)`` of a saved reference ``[*key, start, end]``: the key
+        is an epoch and a record index, behind the names of the mix components it came through."""
         if (
-            not isinstance(entry, list)
-            or len(entry) != PIECE_FIELDS
-            or any(isinstance(value, bool) or not isinstance(value, int) or value < 0 for value in entry)
+            isinstance(entry, list)
+            and len(entry) >= PIECE_FIELDS
+            and all(_is_count(value) for value in entry[-PIECE_FIELDS:])
+            and all(isinstance(name, str) for name in entry[:-PIECE_FIELDS])
         ):
-            raise StateError(
-                f"{self._path}: {where} entry {short_repr(entry)} is not "
-                "[epoch, record, token_start, token_end] of ints >= 0"
-            )
-        epoch, index, start, end = entry
-        return epoch, index, start, end
+            return tuple(entry[:-2]), entry[-2], entry[-1]
+        raise StateError(
+            f"{self._path}: {where} entry {short_repr(entry)} is not "
+            "[epoch, record, token_start, token_end] of ints >= 0 (behind mix component names, after a mix)"
+        )
 
     def fetch(self, entries: list[tuple[Any, str]]) -> None:
         """Fetch the records of ``(entry, where)`` references not fetched yet, in one call."""
-        keys = list(dict.fromkeys(self._ref(entry, where)[:2] for entry, where in entries))
+        keys = list(dict.fromkeys(self._ref(entry, where)[0] for entry, where in entries))
         keys = [key for key in keys if key not in self._records]
         if not keys:
             return
@@ -657,8 +682,7 @@ class _Refetcher:
             raise StateError(f"{self._path}: the buffered records cannot be fetched again: {exc}") from exc
 
     def piece(self, entry: Any, where: str) -> Piece:
-        epoch, index, start, end = self._ref(entry, where)
-        key = (epoch, index)
+        key, start, end = self._ref(entry, where)
         self.fetch([(entry, where)])
         tokens, labels = self._records[key]
         if not start < end <= len(tokens):
@@ -666,7 +690,7 @@ class _Refetcher:
                 f"{self._path}: {where} entry {entry} is outside record {_key_text(key)} of {len(tokens)} tokens "
                 "(did the data change?)"
             )
-        return _piece(epoch, index, start, end, tokens, labels)
+        return _piece(key, start, end, tokens, labels)
 
 
 def _grouped(state: Mapping[str, Any], key: str, sizes_key: str, path: str) -> list[list[Any]]:
@@ -685,7 +709,12 @@ def _grouped(state: Mapping[str, Any], key: str, sizes_key: str, path: str) -> l
 
 
 def _key_text(key: RecordKey) -> str:
-    return f"(epoch {key[0]}, record {key[1]})"
+    components = "".join(f"mix component {name}, " for name in key[:-2])
+    return f"({components}epoch {key[-2]}, record {key[-1]})"
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _check_positive_int(kind: str, name: str, value: Any) -> None:

@@ -19,7 +19,7 @@ import numpy as np
 import orjson
 
 from resumable.errors import ConfigError, SourceError, StateError
-from resumable.node import Node, RecordKey
+from resumable.node import Node, RecordKey, leaf_key
 from resumable.order.lcg import Permutation
 from resumable.order.topology import TOPOLOGY_KEYS, Consumer, Topology
 from resumable.sources.files import (
@@ -185,10 +185,11 @@ class JsonlStream(Node[Any]):
         opened once and read forward in offset order, so a gzip file is decompressed once up to
         its last offset asked for, however many records are fetched from it."""
         wanted: dict[int, list[tuple[int, int]]] = {}  # file -> [(offset, slot)]
-        for slot, (_, packed) in enumerate(keys):
+        for slot, key in enumerate(keys):
+            packed = leaf_key(key, self.kind)[1]
             file, offset = packed >> OFFSET_BITS, packed & ((1 << OFFSET_BITS) - 1)
             if not 0 <= file < len(self.paths):
-                raise IndexError(f"{self.kind}: record key {(_, packed)!r} names no file")
+                raise IndexError(f"{self.kind}: record key {key!r} names no file")
             wanted.setdefault(file, []).append((offset, slot))
         records: list[Any] = [None] * len(keys)
         for file, offsets in wanted.items():

@@ -84,6 +84,8 @@ class Node(Generic[T]):
     # Whether the upstream's state includes its counters. An indexed node reads its upstream
     # by random access, so only the upstream's configuration matters.
     _upstream_progress: ClassVar[bool] = True
+    # Options that may change on an elastic resume (a rescale), though not on a plain restore.
+    _elastic_options: ClassVar[tuple[str, ...]] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -254,10 +256,28 @@ class Node(Generic[T]):
     def _rescale(self, olds: list[dict[str, Any]], path: str, consumer: int, num_consumers: int) -> dict[str, Any]:
         """This node's own state entries (no upstream) for new consumer ``consumer`` of
         ``num_consumers``, continuing the epoch that the old consumers' states ``olds`` were
-        in (``resumable.elastic``). By default: the same options, counters of a fresh epoch."""
+        in (``resumable.elastic``). By default: the same options (but ``_elastic_options``),
+        the same data, counters of a fresh epoch."""
+        config = {key: value for key, value in self._config().items() if key not in self._elastic_options}
         for old in olds:
-            self._check_config(old, path)
+            check_config(old, config, path)
+            self._check_identity(old, path)
         return {**self._header(), **self._progress(), ENDED: False}
+
+    def _adopt_elastic_options(self, state: Any, path: str) -> None:
+        """Take the values of ``_elastic_options`` saved in ``state``, down the chain, so an old
+        consumer's batches can be replayed with the options it ran with (``rs.torch.Loader``)."""
+        if not isinstance(state, dict):
+            return
+        for key in self._elastic_options:
+            if key in state:
+                self._set_elastic_option(key, state[key], path)
+        if self.upstream is not None:
+            self.upstream._adopt_elastic_options(state.get(UPSTREAM), f"{path} > {self.upstream.kind}")
+
+    def _set_elastic_option(self, key: str, value: Any, path: str) -> None:
+        """Set option ``key`` (one of ``_elastic_options``) to a saved ``value``; StateError if invalid."""
+        raise NotImplementedError
 
     def state_dict(self) -> dict[str, Any]:
         """Alias of ``get_state`` (``torch.distributed.checkpoint.Stateful`` protocol)."""

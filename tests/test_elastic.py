@@ -379,3 +379,32 @@ def test_rescale_of_consumers_on_both_sides_of_an_epoch_boundary() -> None:
         for batch in pipe:
             seen.update(batch)
     assert seen == expected("repeat_filter_batch", docs)
+
+
+def test_the_per_consumer_batch_size_may_change_on_a_rescale() -> None:
+    """4 consumers of 6 -> 3 consumers of 8 keeps a global batch of 24; each document once."""
+    docs = documents(150)
+
+    def build(consumer: int, consumers: int, size: int) -> rs.Node:
+        return rs.from_list(docs).shuffle(4).shard(consumer, consumers).map(ids).batch(size)
+
+    old = [build(c, 4, 6) for c in range(4)]
+    seen: Counter[int] = Counter()
+    for pipe in old:
+        for _ in range(2):
+            seen.update(next(pipe))
+    states = [pipe.get_state() for pipe in old]
+    sizes = []
+    for consumer in range(3):
+        pipe = build(consumer, 3, 8)
+        restore(pipe, states)
+        for batch in pipe:
+            seen.update(batch)
+            sizes.append(len(batch))
+    assert seen == expected("shard", docs)
+    assert max(sizes) == 8
+    same = build(0, 4, 8)
+    with pytest.raises(rs.StateError, match="batch_size"):
+        same.set_state(states[0])  # a plain restore still checks it
+    with pytest.raises(rs.StateError, match="drop_last"):
+        restore(rs.from_list(docs).shuffle(4).shard(0, 3).map(ids).batch(8, drop_last=True), states)

@@ -168,3 +168,29 @@ def test_state_taken_after_an_elastic_load_and_before_iterating_resumes_the_same
             assert items(list(new)) == own_epochs[1]
         else:
             assert rest == own_epochs[1] and new.epoch == 1
+
+
+def test_the_batch_size_may_change_with_the_worker_count(tmp_path: Any) -> None:
+    """2 workers x 6 -> 3 workers x 4: the old workers are replayed with their own batch size,
+    then the epoch continues in batches of 4, each document once."""
+    documents = list(range(97))
+
+    def with_batch(size: int) -> Any:
+        return lambda: rs.from_list(documents).shuffle(seed=2).shard().batch(size)
+
+    old = Loader(with_batch(6), num_workers=2, snapshot_every_n_steps=4)
+    seen: list[int] = []
+    batches = iter(old)
+    for _ in range(7):  # 7 batches since the last snapshot: 3 replayed
+        seen.extend(int(x) for x in next(batches))
+    state = old.state_dict()
+    old.close()
+    new = Loader(with_batch(4), num_workers=3)
+    new.load_state_dict([state])
+    sizes = []
+    for batch in new:
+        seen.extend(int(x) for x in batch)
+        sizes.append(len(batch))
+    new.close()
+    assert sorted(seen) == documents
+    assert max(sizes) == 4

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Generic, TypeVar
 
-from resumable.errors import ConfigError
+from resumable.errors import ConfigError, StateError
 from resumable.node import Node
 
 T = TypeVar("T")
@@ -21,6 +21,9 @@ class Batch(Node[Any], Generic[T]):
     """
 
     kind = "Batch"
+    # A batch holds nothing between calls, so its size may change on an elastic resume: going
+    # from 4 ranks to 3, a job keeps its global batch by taking 8 per rank instead of 6.
+    _elastic_options = (BATCH_SIZE,)
 
     upstream: Node[Any]
 
@@ -39,6 +42,11 @@ class Batch(Node[Any], Generic[T]):
         self.batch_size = batch_size
         self.drop_last = bool(drop_last)
         self.collate_fn = collate_fn
+
+    def _set_elastic_option(self, key: str, value: Any, path: str) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise StateError(f"{path}: state entry {key!r} is {value!r}, expected a positive int")
+        self.batch_size = value
 
     def _config(self) -> dict[str, Any]:
         return {BATCH_SIZE: self.batch_size, DROP_LAST: self.drop_last}

@@ -51,8 +51,10 @@ def handed_out_states(build: Callable[[], Node[Any]], old: LoaderState) -> list[
                 continue
             with assume(Topology(old.rank, old.world_size, worker, old.num_workers)):
                 if worker not in pipelines:
-                    pipelines[worker] = build()
-                    pipelines[worker].set_state(workers[worker])
+                    pipeline = pipelines[worker] = build()
+                    # Replayed with the old options (a rescale may change the batch size).
+                    pipeline._adopt_elastic_options(workers[worker], pipeline.kind)
+                    pipeline.set_state(workers[worker])
                 try:
                     next(pipelines[worker])
                     break

@@ -17,7 +17,8 @@ continues its own stride: bit-exact, as always.
 Supported chains: an indexed part ending in ``.shard()`` (optionally followed by serial
 ``.map()``), or a file-sharded ``rs.jsonl_stream`` (its work items, a file and a byte offset
 each, are dealt out), then any of filter, map, batch, prefetch, parallel map, repeat and pack
-(streaming strategies). Shuffles after the shard, a whole-epoch ``bfd`` plan and ``mix`` raise
+(streaming strategies), and ``mix`` of such chains (each component is rescaled on its own, the
+schedule starts afresh). Shuffles after the shard and a whole-epoch ``bfd`` plan raise
 ``ConfigError``.
 """
 
@@ -29,6 +30,7 @@ from typing import Any, Sequence
 from resumable.errors import ConfigError, StateError
 from resumable.node import EPOCH, LENGTH, POSITION, IndexedNode, Node
 from resumable.ops.map import IndexedMap
+from resumable.ops.mix import COMPONENTS
 from resumable.order.elastic import MAX_POSITION, Remap, merge, rescale, shard_sizes
 from resumable.order.partition import shard_size
 from resumable.order.shard import NEXT_REMAP, REMAP, Shard
@@ -50,20 +52,35 @@ __all__ = ["restore", "rescaled_state", "consumer_of"]
 
 def consumer_of(state: dict[str, Any], path: str = "state") -> tuple[int, int]:
     """``(consumer, num_consumers)`` of the partitioning node (shard or file-sharded stream)."""
-    node = _partitioner_state(state, path)
-    rank, world_size = require(node, RANK, int, path), require(node, WORLD_SIZE, int, path)
-    worker, num_workers = require(node, WORKER, int, path), require(node, NUM_WORKERS, int, path)
-    return rank * num_workers + worker, world_size * num_workers
+    nodes = _partitioner_states(state)
+    if not nodes:
+        raise StateError(f"{path}: the state has no Shard or stream node, so it does not say which consumer it is")
+    found = set()
+    for node in nodes:
+        rank, world_size = require(node, RANK, int, path), require(node, WORLD_SIZE, int, path)
+        worker, num_workers = require(node, WORKER, int, path), require(node, NUM_WORKERS, int, path)
+        found.add((rank * num_workers + worker, world_size * num_workers))
+    if len(found) != 1:
+        raise StateError(f"{path}: the state's partitioning nodes disagree on the consumer ({sorted(found)})")
+    return found.pop()
 
 
-def _partitioner_state(state: dict[str, Any], path: str) -> dict[str, Any]:
-    """The state of the node that splits the epoch (shard or file-sharded stream)."""
-    node: Any = state
-    while isinstance(node, dict):
+def _partitioner_states(state: Any) -> list[dict[str, Any]]:
+    """The states of the nodes that split the epoch (shards, file-sharded streams): along the
+    upstream chain and into every mix component."""
+    found, pending = [], [state]
+    while pending:
+        node = pending.pop()
+        if not isinstance(node, dict):
+            continue
         if node.get(KIND) in (Shard.kind, JsonlStream.kind):
-            return node
-        node = node.get(UPSTREAM)
-    raise StateError(f"{path}: the state has no Shard or stream node, so it does not say which consumer it is")
+            found.append(node)
+            continue
+        pending.append(node.get(UPSTREAM))
+        components = node.get(COMPONENTS)
+        if isinstance(components, dict):
+            pending.extend(components.values())
+    return found
 
 
 def restore(pipeline: Node[Any], old_states: Sequence[dict[str, Any]]) -> None:
@@ -77,7 +94,10 @@ def rescaled_state(pipeline: Node[Any], old_states: Sequence[dict[str, Any]]) ->
         raise StateError(f"{pipeline.kind}: no old states to rescale from")
     for index, old in enumerate(old_states):
         check_json(old, f"{pipeline.kind} (old consumer {index})")
-    topology = _partitioner(pipeline).topology
+    topologies = {partitioner.topology for partitioner in _partitioners(pipeline)}
+    if len(topologies) != 1:
+        raise ConfigError(f"{pipeline.kind}: its shards or streams split the epoch for different consumers")
+    topology = topologies.pop()
     consumer, num_consumers = topology.consumer, topology.num_consumers
     for index, old in enumerate(old_states):
         saved = consumer_of(old, f"{pipeline.kind} (old consumer {index})")
@@ -92,34 +112,35 @@ def rescaled_state(pipeline: Node[Any], old_states: Sequence[dict[str, Any]]) ->
 
 
 def _as_consumer(state: dict[str, Any], topology: Topology) -> dict[str, Any]:
-    """``state`` with its partitioning node relabelled to ``topology`` (same consumer index)."""
+    """``state`` with its partitioning nodes relabelled to ``topology`` (same consumer index)."""
     copied = copy.deepcopy(state)
-    _partitioner_state(copied, "state").update(topology.config())
+    for node in _partitioner_states(copied):
+        node.update(topology.config())
     return copied
 
 
-def _partitioner(pipeline: Node[Any]) -> Shard[Any] | JsonlStream:
-    """The node that splits the epoch over consumers: a file-sharded stream or a shard."""
-    node: Node[Any] | None = pipeline
-    while node is not None and not isinstance(node, (IndexedNode, JsonlStream)):
-        node = node.upstream
+def _partitioners(node: Node[Any]) -> list[Shard[Any] | JsonlStream]:
+    """The nodes that split the epoch over consumers: on every branch (each mix component) a
+    file-sharded stream, or a shard that ends the indexed chain (only serial maps after it)."""
     if isinstance(node, JsonlStream):
-        return node
-    return _find_shard(pipeline)
+        return [node]
+    if isinstance(node, IndexedNode):
+        return [_find_shard(node)]
+    children = node._children()
+    if not children:
+        raise ConfigError(f"elastic resume needs a .shard() or a file-sharded stream, {node.kind} has none")
+    return [partitioner for child in children.values() for partitioner in _partitioners(child)]
 
 
-def _find_shard(pipeline: Node[Any]) -> Shard[Any]:
-    node: Node[Any] | None = pipeline
-    while node is not None and not isinstance(node, IndexedNode):
-        node = node.upstream
-    cursor = node
+def _find_shard(cursor: IndexedNode[Any]) -> Shard[Any]:
+    node: Node[Any] | None = cursor
     while isinstance(node, IndexedMap):
         node = node.upstream
     if not isinstance(node, Shard):
         found = node.kind if node is not None else "no indexed node"
         raise ConfigError(
             f"elastic resume needs .shard() as the last reordering step of the indexed chain "
-            f"(only serial .map() may follow it), found {found} under {cursor.kind if cursor else pipeline.kind}"
+            f"(only serial .map() may follow it), found {found} under {cursor.kind}"
         )
     return node
 
@@ -132,11 +153,26 @@ def _rescale_node(
     if isinstance(node, IndexedNode):
         return _rescale_indexed(node, olds, path)
     state = node._rescale(olds, path, consumer, num_consumers)
-    if node.upstream is not None:
-        uppers = [require(old, UPSTREAM, dict, path) for old in olds]
-        upstream_path = f"{path} > {node.upstream.kind}"
-        state[UPSTREAM] = _rescale_node(node.upstream, uppers, upstream_path, consumer, num_consumers)
+    for where, child in node._children().items():
+        child_olds = [_nested(old, where, path) for old in olds]
+        child_path = f"{path}[{where[-1]}] > {child.kind}" if len(where) > 1 else f"{path} > {child.kind}"
+        _put_nested(state, where, _rescale_node(child, child_olds, child_path, consumer, num_consumers))
     return state
+
+
+def _nested(state: dict[str, Any], where: tuple[str, ...], path: str) -> dict[str, Any]:
+    value: Any = state
+    for key in where:
+        if not isinstance(value, dict) or not isinstance(value.get(key), dict):
+            raise StateError(f"{path}: state has no {'/'.join(where)!r} entry")
+        value = value[key]
+    return value  # type: ignore[no-any-return]
+
+
+def _put_nested(state: dict[str, Any], where: tuple[str, ...], value: dict[str, Any]) -> None:
+    for key in where[:-1]:
+        state = state.setdefault(key, {})
+    state[where[-1]] = value
 
 
 def _rescale_indexed(cursor: IndexedNode[Any], olds: list[dict[str, Any]], path: str) -> dict[str, Any]:

@@ -264,6 +264,11 @@ class Node(Generic[T]):
             self._check_identity(old, path)
         return {**self._header(), **self._progress(), ENDED: False}
 
+    def _children(self) -> dict[tuple[str, ...], Node[Any]]:
+        """The nodes this one reads from, by where their states nest in its state: its
+        upstream under ``("upstream",)``, a mix's components under ``("components", name)``."""
+        return {} if self.upstream is None else {(UPSTREAM,): self.upstream}
+
     def _adopt_elastic_options(self, state: Any, path: str) -> None:
         """Take the values of ``_elastic_options`` saved in ``state``, down the chain, so an old
         consumer's batches can be replayed with the options it ran with (``rs.torch.Loader``)."""

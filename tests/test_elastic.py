@@ -408,3 +408,56 @@ def test_the_per_consumer_batch_size_may_change_on_a_rescale() -> None:
         same.set_state(states[0])  # a plain restore still checks it
     with pytest.raises(rs.StateError, match="drop_last"):
         restore(rs.from_list(docs).shuffle(4).shard(0, 3).map(ids).batch(8, drop_last=True), states)
+
+
+def mixed_then_packed(consumer: int, consumers: int, kind: str = "list") -> rs.Node:
+    """Two sharded components (the second's tokens offset so every token names itself), mixed,
+    then packed: rows hold documents of both, buffered by keys that name the component."""
+    web = indexed_source(kind, documents(70)).shuffle(7).shard(consumer, consumers).filter(keep)
+    code = rs.from_list(shifted(documents(45))).shard(consumer, consumers)
+    return rs.mix({"web": web, "code": code}, weights={"web": 2, "code": 1}, on_end="drop").pack(
+        SEQ_LEN, buffer_size=4
+    )
+
+
+def shifted(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{"id": d["id"], "input_ids": [t + 10**7 for t in d["input_ids"]]} for d in docs]
+
+
+def mix_expected() -> Counter[int]:
+    web = Counter(t for d in documents(70) if keep(d) for t in d["input_ids"])
+    return web + Counter(t for d in shifted(documents(45)) for t in d["input_ids"])
+
+
+@settings(deadline=None, max_examples=20)
+@given(
+    kind=st.sampled_from(["list", "jsonl"]),
+    phases=st.lists(
+        st.tuples(st.integers(1, 5), st.lists(st.floats(0, 1), min_size=1, max_size=3)), min_size=1, max_size=3
+    ),
+)
+def test_mix_then_pack_rescales_every_token_once(kind: str, phases: list[tuple[int, list[float]]]) -> None:
+    seen: Counter[int] = Counter()
+    states: list[dict[str, Any]] | None = None
+    for number, (consumers, fractions) in enumerate(phases):
+        last = number == len(phases) - 1
+        new_states = []
+        for consumer in range(consumers):
+            pipe = mixed_then_packed(consumer, consumers, kind)
+            if states is not None:
+                restore(pipe, states)
+            rows = list(pipe) if last else take_fraction(pipe, fractions[consumer % len(fractions)])
+            for row in rows:
+                seen.update(delivered("pack", row))
+            new_states.append(json.loads(json.dumps(pipe.get_state())))
+        states = new_states
+    assert seen == mix_expected()
+
+
+def test_a_mix_component_without_a_shard_cannot_be_rescaled() -> None:
+    def build(consumer: int, consumers: int) -> rs.Node:
+        return rs.mix({"a": rs.from_list(list(range(9))).shard(consumer, consumers), "b": rs.from_list([1, 2])})
+
+    states = [build(c, 2).get_state() for c in range(2)]
+    with pytest.raises(rs.ConfigError, match="shard"):
+        restore(build(0, 3), states)

@@ -63,7 +63,15 @@ from typing import Any, Mapping, Sequence, TypeVar
 from resumable.errors import ConfigError, StateError
 from resumable.node import Node, RecordKey
 from resumable.order.lcg import _splitmix64
-from resumable.state import ENDED, check_config, check_header, require, require_count, short_repr
+from resumable.state import (
+    ENDED,
+    check_config,
+    check_header,
+    require,
+    require_adjacent_epochs,
+    require_count,
+    short_repr,
+)
 
 T = TypeVar("T")
 
@@ -446,6 +454,17 @@ class Mix(Node[T]):
                 raise StateError(f"{path}: state entry {key}[{name!r}] is {short_repr(value)}")
             values[name] = value
         return values
+
+    def _children(self) -> dict[tuple[str, ...], Node[Any]]:
+        return {(COMPONENTS, name): node for name, node in self.components.items()}
+
+    def _rescale(self, olds: list[dict[str, Any]], path: str, consumer: int, num_consumers: int) -> dict[str, Any]:
+        """A fresh schedule in the old consumers' mix epoch (each consumer interleaved on its own,
+        so their counters do not add up); the components are rescaled one by one."""
+        for old in olds:
+            self._check_config(old, path)
+        epochs = require_adjacent_epochs(olds, EPOCH, path)
+        return {**self._header(), **self._progress(), EPOCH: min(epochs), ENDED: False}
 
     def close(self) -> None:
         """Stop the background threads and pools of every component."""

@@ -156,8 +156,8 @@ class Node(Generic[T]):
         map). They also stop when garbage-collected; this makes it deterministic, e.g. when a
         training loop ends early. Iterating afterwards continues after the last item handed out."""
         self._shutdown()
-        if self.upstream is not None:
-            self.upstream.close()
+        for child in self._children().values():
+            child.close()
 
     def _shutdown(self) -> None:
         """Hook: stop this node's own threads or pools."""

@@ -466,11 +466,6 @@ class Mix(Node[T]):
         epochs = require_adjacent_epochs(olds, EPOCH, path)
         return {**self._header(), **self._progress(), EPOCH: min(epochs), ENDED: False}
 
-    def close(self) -> None:
-        """Stop the background threads and pools of every component."""
-        for component in self.components.values():
-            component.close()
-
     def __repr__(self) -> str:
         inner = ", ".join(f"{name}: {node!r}" for name, node in self.components.items())
         return f"<Mix[{inner}]>"

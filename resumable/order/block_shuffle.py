@@ -70,7 +70,7 @@ class BlockLayout:
             raise ConfigError("BlockLayout: give exactly one of block_size and bounds")
         self.total = total
         self.window = window
-        self.block_size = block_size
+        self.block_size = block_size or 0  # 0: blocks given by ``bounds``
         if bounds is not None:
             bounds = np.asarray(bounds, dtype=np.int64)
             if bounds.size < 2 or bounds[0] != 0 or bounds[-1] != total or np.any(np.diff(bounds) <= 0):
@@ -83,7 +83,7 @@ class BlockLayout:
     def num_blocks(self) -> int:
         if self.bounds is not None:
             return len(self.bounds) - 1
-        return -(-self.total // self.block_size)  # type: ignore[operator]
+        return -(-self.total // self.block_size)
 
     # -- variable blocks: a per-epoch table of permuted block starts --------------------------
 
@@ -124,7 +124,7 @@ class BlockLayout:
         if positions.size == 0:
             return positions.copy()
         if self.bounds is None:
-            span = self.block_size * self.window  # type: ignore[operator]
+            span = self.block_size * self.window
             windows = positions // span
             window_starts = None
         else:
@@ -144,7 +144,7 @@ class BlockLayout:
         # ``within`` is now an offset into the concatenation of the permuted blocks.
         if self.bounds is None:
             size = self.block_size
-            full = self.total // size  # type: ignore[operator]
+            full = self.total // size
             slots, rows = np.divmod(within, size)
             blocks = slots.copy()
             permuted = slots < full

@@ -3,7 +3,9 @@
 Builds ``--components`` in-memory shuffled sources and compares iterating one of them alone
 with iterating their mix (both schedules), reports the per-item overhead of the scheduler,
 the time of one ``get_state()`` and of a restore at the last item, and how far the realised
-proportions are from the weights (largest absolute difference).
+proportions are from the weights (largest absolute difference). Then the same for a packer
+after a mix of three tokenised components: a ten-node chain whose state holds the packer's
+buffered references, each key naming its component.
 
 Usage: python bench/bench_mix.py [--items 200000] [--components 3]
 """
@@ -61,6 +63,36 @@ def main() -> None:
             f"mix of {components} ({schedule:6})     {cost:8.3f} us/item  (+{cost - alone:.3f})  "
             f"get_state {get_us:7.1f} us  set_state {set_ms:6.2f} ms  max |share - weight| {error:.5f}"
         )
+
+    packed_chain_figures()
+
+
+def packed_chain_figures(documents: int = 20_000, buffer_size: int = 1000) -> None:
+    """``get_state()`` and a restore on mix(3 x source > shuffle > shard > map) > pack > batch."""
+
+    def tokens(index: int) -> dict[str, list[int]]:
+        return {"input_ids": list(range(1, 2 + (index * 37) % 900))}
+
+    def chain() -> rs.Node:
+        sources = {f"c{i}": rs.from_list(list(range(documents))).shuffle(i).shard(0, 1).map(tokens) for i in range(3)}
+        return mix(sources, on_end="restart").pack(2048, buffer_size=buffer_size).batch(8)
+
+    pipe = chain()
+    for _ in range(50):
+        next(pipe)
+    calls = 200
+    start = time.perf_counter()
+    for _ in range(calls):
+        state = pipe.get_state()
+    get_us = (time.perf_counter() - start) / calls * 1e6
+    start = time.perf_counter()
+    chain().set_state(state)
+    set_ms = (time.perf_counter() - start) * 1e3
+    references = len(state["upstream"]["open"]) + len(state["upstream"]["ready"])
+    print(
+        f"mix(3) > pack(best_fit, {buffer_size}) > batch, ten nodes: get_state {get_us:7.1f} us, "
+        f"{references} references in the state, restore (refetches the buffer) {set_ms:6.1f} ms"
+    )
 
 
 if __name__ == "__main__":

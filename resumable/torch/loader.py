@@ -10,11 +10,6 @@ import weakref
 from typing import Any, Callable, Sequence
 
 from torchdata.stateful_dataloader import StatefulDataLoader
-from torchdata.stateful_dataloader.stateful_dataloader import (
-    _StatefulBaseDataLoaderIter,
-    _StatefulMultiProcessingDataLoaderIter,
-    _StatefulSingleProcessDataLoaderIter,
-)
 
 from resumable.errors import ConfigError, StateError
 from resumable.loader_state import (
@@ -35,6 +30,7 @@ from resumable.loader_state import (
     parse_loader_state,
 )
 from resumable.order.topology import distributed_rank
+from resumable.torch import _torchdata
 from resumable.torch._worker_signals import init_worker
 from resumable.torch.dataset import PipelineDataset, PipelineOrFactory
 from resumable.torch.elastic import factory_of, rescale_for_rank
@@ -119,10 +115,10 @@ class Loader(StatefulDataLoader):
         try:
             iterator = super().__iter__()
         except StopIteration as error:  # torchdata's replay of the batches since the snapshot ran out
-            _shut_down_half_built_iterators(error)
+            _torchdata.shut_down_half_built_iterators(error)
             raise self._replay_overrun() from None
         except BaseException as error:
-            _shut_down_half_built_iterators(error)
+            _torchdata.shut_down_half_built_iterators(error)
             raise
         self._epoch, self._next_iter_advances, self._loaded = epoch, True, None
         if rescaled and self.num_workers:
@@ -147,30 +143,22 @@ class Loader(StatefulDataLoader):
             "is followed by fewer)"
         )
 
-    def _get_iterator(self) -> _StatefulBaseDataLoaderIter:
-        """torchdata's iterator (as its ``_get_iterator`` builds it), held to ``MAX_COUNT``."""
-        iterator: _StatefulBaseDataLoaderIter
-        if self.num_workers == 0:
-            iterator = _SingleProcessIterator(self, self.next_iter_state)
-        else:
-            self.check_worker_number_rationality()
-            iterator = _MultiProcessIterator(self, self.next_iter_state)
+    def _get_iterator(self) -> Any:
+        """torchdata's iterator, held to ``MAX_COUNT`` (``_torchdata.new_iterator``)."""
+        iterator = _torchdata.new_iterator(self, self.next_iter_state)
         self.next_iter_state = None
         return iterator
 
     def close(self) -> None:
         """Stop the workers now. The next ``iter()`` starts new ones where this one stopped."""
-        if self._iterator is None:
+        if _torchdata.current_iterator(self) is None:
             return
         state = self.state_dict()
         self._stop_workers()
         self.load_state_dict(state)
 
     def _stop_workers(self) -> None:
-        iterator: object = self._iterator  # type: ignore[has-type]
-        self._iterator = None
-        if isinstance(iterator, _StatefulMultiProcessingDataLoaderIter):
-            iterator._shutdown_workers()
+        _torchdata.stop_iterator(self)
 
     def __enter__(self) -> Loader:
         return self
@@ -187,7 +175,7 @@ class Loader(StatefulDataLoader):
         """Every worker's position as of the last batch handed out, as JSON data."""
         if self._loaded is not None:
             return copy.deepcopy(self._loaded)  # loaded but not iterated yet: nothing moved
-        if self._iterator is None:  # torchdata starts the next pass now to read its initial state
+        if _torchdata.current_iterator(self) is None:  # torchdata starts the next pass to read its initial state
             if self._next_iter_advances:
                 self._epoch, self._next_iter_advances = self._next_epoch(), False
             self.dataset.set_epoch(self._epoch)  # type: ignore[attr-defined]
@@ -275,33 +263,6 @@ class Loader(StatefulDataLoader):
         self._epoch, self._next_iter_advances, self._loaded = epoch, next_iter_advances, loaded
 
 
-class _Bounded(_StatefulBaseDataLoaderIter):
-    """Stops with a StateError rather than count a pass's batches (or the indices torchdata
-    sends ahead) past ``MAX_COUNT``: every state the Loader saves then loads again."""
-
-    def __next__(self) -> Any:
-        if self._num_yielded >= MAX_COUNT:
-            raise StateError(
-                f"Loader: {self._num_yielded:,} batches handed out in this pass, the most a state can count"
-            )
-        return super().__next__()
-
-    def _next_index(self) -> Any:
-        if self._sampler_iter_yielded >= MAX_COUNT:
-            raise StateError(
-                f"Loader: {self._sampler_iter_yielded:,} batches requested in this pass, the most a state can count"
-            )
-        return super()._next_index()
-
-
-class _SingleProcessIterator(_Bounded, _StatefulSingleProcessDataLoaderIter):
-    """torchdata's iterator without workers, held to ``MAX_COUNT``."""
-
-
-class _MultiProcessIterator(_Bounded, _StatefulMultiProcessingDataLoaderIter):
-    """torchdata's iterator over workers, held to ``MAX_COUNT``."""
-
-
 _OPEN_LOADERS: weakref.WeakSet[Loader] = weakref.WeakSet()
 
 
@@ -313,17 +274,3 @@ def _close_open_loaders() -> None:
     """
     for loader in list(_OPEN_LOADERS):
         loader._stop_workers()
-
-
-def _shut_down_half_built_iterators(error: BaseException) -> None:
-    """Stop the workers of an iterator whose start-up raised (a worker failed to restore).
-
-    The half-built iterator stays reachable from the traceback, and when it is finally
-    collected its workers no longer answer the shutdown request: each one costs a join timeout.
-    """
-    traceback = error.__traceback__
-    while traceback is not None:
-        candidate = traceback.tb_frame.f_locals.get("self")
-        if isinstance(candidate, _StatefulMultiProcessingDataLoaderIter):
-            candidate._shutdown_workers()
-        traceback = traceback.tb_next

@@ -1,0 +1,47 @@
+"""The private parts of torchdata that ``rs.torch.Loader`` relies on, all named in
+``resumable/torch/_torchdata.py`` (state keys in ``resumable/loader_state.py``, checked in
+``tests/test_loader.py::test_state_key_names_are_torchdata_s``). A torchdata release that
+renames or removes one fails here, with the name, instead of deep inside a training job."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+import resumable as rs
+import resumable.torch as rst
+from resumable.torch import _torchdata
+
+
+@pytest.mark.parametrize(
+    "cls, name", [(cls, name) for cls, names in _torchdata.PRIVATE_NAMES.items() for name in names]
+)
+def test_every_private_name_still_exists(cls: type, name: str) -> None:
+    if name.startswith("_num") or name.startswith("_sampler"):  # instance attributes set by __init__
+        iterator = iter(StatefulDataLoader(torch.utils.data.TensorDataset(torch.arange(4))))
+        assert isinstance(iterator, cls) and isinstance(getattr(iterator, name, None), int), (
+            f"torchdata's {cls.__name__} no longer counts {name}"
+        )
+    else:
+        assert callable(getattr(cls, name, None)), f"torchdata's {cls.__name__} has no method {name}"
+
+
+def test_the_dataloader_hooks_and_iterator_constructors_keep_their_shape() -> None:
+    loader = StatefulDataLoader(torch.utils.data.TensorDataset(torch.arange(4)))
+    for name in _torchdata.LOADER_HOOKS:
+        assert hasattr(loader, name), f"StatefulDataLoader has no {name}"
+    for cls in (_torchdata._SingleProcessIterator, _torchdata._MultiProcessIterator):
+        assert list(inspect.signature(cls.__init__).parameters)[:3] == ["self", "loader", "next_iter_state"]
+
+
+def test_the_loader_uses_them_through_one_module() -> None:
+    import resumable.torch.loader as loader_module
+
+    source = inspect.getsource(loader_module)
+    assert "torchdata.stateful_dataloader.stateful_dataloader" not in source
+    assert "._iterator" not in source and "_shutdown_workers" not in source
+    with rst.Loader(lambda: rs.from_list(list(range(6))).batch(2), num_workers=1) as loader:
+        assert [[int(x) for x in batch] for batch in loader] == [[0, 1], [2, 3], [4, 5]]

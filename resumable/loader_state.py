@@ -13,6 +13,7 @@ Loader states without loading them; the tests check the key names against torchd
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,9 @@ from resumable.state import LOADER_FORMAT, LOADER_FORMAT_PREFIX, check_json, req
 # Keys of the Loader state.
 FORMAT = LOADER_FORMAT
 FORMAT_NAME = f"{LOADER_FORMAT_PREFIX}3"
+LEGACY_FORMATS = (f"{LOADER_FORMAT_PREFIX}1", f"{LOADER_FORMAT_PREFIX}2")
+"""Earlier formats, read by upgrading them (``upgraded``)."""
+LEGACY_SNAPSHOT_EVERY = 16
 EPOCH = "epoch"
 RANK = "rank"
 WORLD_SIZE = "world_size"
@@ -94,9 +98,37 @@ class LoaderState:
         return self.snapshot_step + self.steps_since_snapshot
 
 
+def upgraded(state: Any) -> Any:
+    """``state`` in this format if it was saved in an earlier one (0.1.0 wrote format 1), else
+    as it is. Format 2 added ``snapshot_every_n_steps`` (earlier loaders took a snapshot every
+    16 batches unless told otherwise; the bound it sets is only widened to what the state
+    counts), format 3 the epoch of the pass each worker's pipeline state comes from (the
+    Loader's epoch: earlier loaders recorded no other)."""
+    if not isinstance(state, dict) or state.get(FORMAT) not in LEGACY_FORMATS:
+        return state
+    copied = copy.deepcopy(state)
+    copied[FORMAT] = FORMAT_NAME
+    loader, epoch = copied.get(LOADER), copied.get(EPOCH)
+    if isinstance(loader, dict) and SNAPSHOT_EVERY not in copied:
+        steps = loader.get(STEPS_SINCE, 0)
+        copied[SNAPSHOT_EVERY] = max(LEGACY_SNAPSHOT_EVERY, steps + 1 if isinstance(steps, int) else 0)
+    holders = [loader]
+    if isinstance(loader, dict) and isinstance(loader.get(SNAPSHOT), dict):
+        workers = loader[SNAPSHOT].get(WORKER_SNAPSHOTS)
+        holders = list(workers.values()) if isinstance(workers, dict) else []
+    for holder in holders:
+        fetcher = holder.get(FETCHER_STATE) if isinstance(holder, dict) else None
+        iterator = fetcher.get(ITER_STATE) if isinstance(fetcher, dict) else None
+        if isinstance(iterator, dict):
+            iterator.setdefault(PASS_EPOCH, epoch)
+    return copied
+
+
 def parse_loader_state(state: Any, where: str = "Loader") -> LoaderState:
-    """Validate a whole Loader state (StateError naming rank, worker and field) and read it."""
+    """Validate a whole Loader state (StateError naming rank, worker and field) and read it;
+    a state in an earlier format is read as ``upgraded`` gives it."""
     check_json(state, where)
+    state = upgraded(state)
     if not isinstance(state, dict) or state.get(FORMAT) != FORMAT_NAME:
         saved = state.get(FORMAT) if isinstance(state, dict) else type(state).__name__
         raise StateError(f"{where}: not a resumable Loader state (format {FORMAT_NAME!r} expected, got {saved!r})")

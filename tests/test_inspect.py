@@ -209,7 +209,7 @@ def test_unreadable_or_corrupt_files_are_errors_not_tracebacks(
     worker["fetcher_state"]["dataset_iter_state"]["pipeline"] = "{"
     rs.save_state(state, tmp_path / "corrupt.json")
     (tmp_path / "truncated.json").write_text('{"format": ')
-    rs.save_state(dict(state, format="resumable.Loader/2"), tmp_path / "older.json")
+    rs.save_state(dict(state, format="resumable.Loader/99"), tmp_path / "older.json")
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
     for name, message in (
         ("corrupt.json", "rank 0/1 worker 1 at loader._snapshot._worker_snapshots.worker_1: the pipeline state is not"),

@@ -14,11 +14,12 @@ From the next epoch on, the new topology reads whole epochs as if it had always 
 With the same number of consumers (even split differently into ranks x workers) each consumer
 continues its own stride: bit-exact, as always.
 
-Supported chains: an indexed part ending in ``.shard()`` (optionally followed by serial
-``.map()``), or a file-sharded ``rs.jsonl_stream`` (its work items, a file and a byte offset
-each, are dealt out), then any of filter, map, batch, prefetch, parallel map, repeat and pack
-(streaming strategies), and ``mix`` of such chains (each component is rescaled on its own, the
-schedule starts afresh). Shuffles after the shard and a whole-epoch ``bfd`` plan raise
+Supported chains: an indexed part with a ``.shard()`` followed only by serial ``.map()`` and
+``.shuffle()`` (a shuffle after the shard is a per-consumer reading order, which the remap
+replays: ``resumable.order.orders``), or a file-sharded ``rs.jsonl_stream`` (its work items, a
+file and a byte offset each, are dealt out), then any of filter, map, batch, prefetch, parallel
+map, repeat and pack (streaming strategies), and ``mix`` of such chains (each component is
+rescaled on its own, the schedule starts afresh). A whole-epoch ``bfd`` plan raises
 ``ConfigError``.
 """
 
@@ -31,9 +32,12 @@ from resumable.errors import ConfigError, StateError
 from resumable.node import EPOCH, LENGTH, POSITION, IndexedNode, Node
 from resumable.ops.map import IndexedMap
 from resumable.ops.mix import COMPONENTS
+from resumable.order.block_shuffle import BlockShuffle
 from resumable.order.elastic import MAX_POSITION, Remap, merge, rescale, shard_sizes
+from resumable.order.orders import Order
 from resumable.order.partition import shard_size
 from resumable.order.shard import NEXT_REMAP, REMAP, Shard
+from resumable.order.shuffle import Shuffle
 from resumable.order.topology import NUM_WORKERS, RANK, WORKER, WORLD_SIZE, Topology
 from resumable.sources.stream import JsonlStream
 from resumable.state import (
@@ -133,16 +137,25 @@ def _partitioners(node: Node[Any]) -> list[Shard[Any] | JsonlStream]:
 
 
 def _find_shard(cursor: IndexedNode[Any]) -> Shard[Any]:
+    return _shard_and_orders(cursor)[0]
+
+
+def _shard_and_orders(cursor: IndexedNode[Any]) -> tuple[Shard[Any], list[Order]]:
+    """The shard under ``cursor`` and the orders its consumer reads the stride in (the
+    shuffles between them, top first); only serial maps and shuffles may come between."""
     node: Node[Any] | None = cursor
-    while isinstance(node, IndexedMap):
+    reading_orders: list[Order] = []
+    while isinstance(node, (IndexedMap, Shuffle, BlockShuffle)):
+        if not isinstance(node, IndexedMap):
+            reading_orders.append((node.kind, node._config()))
         node = node.upstream
     if not isinstance(node, Shard):
         found = node.kind if node is not None else "no indexed node"
         raise ConfigError(
-            f"elastic resume needs .shard() as the last reordering step of the indexed chain "
-            f"(only serial .map() may follow it), found {found} under {cursor.kind}"
+            f"elastic resume needs .shard() in the indexed chain, with only serial .map() and "
+            f".shuffle() after it, found {found} under {cursor.kind}"
         )
-    return node
+    return node, reading_orders
 
 
 def _rescale_node(
@@ -181,6 +194,7 @@ def _rescale_indexed(cursor: IndexedNode[Any], olds: list[dict[str, Any]], path:
     also holds the remap of the next epoch, whose positions the advanced consumers have read."""
     epochs = require_adjacent_epochs(olds, EPOCH, path)
     cursors = [require_count(old, POSITION, path, upper=MAX_POSITION) for old in olds]
+    reading_orders = _shard_and_orders(cursor)[1]
 
     chain: list[tuple[IndexedNode[Any], list[dict[str, Any]], str]] = []
     node: IndexedNode[Any] | None = cursor
@@ -200,7 +214,7 @@ def _rescale_indexed(cursor: IndexedNode[Any], olds: list[dict[str, Any]], path:
     for node, states, where in chain:
         own = node._header()
         if isinstance(node, Shard):
-            remap, next_remap = _new_remaps(node, states, epochs, cursors, where)
+            remap, next_remap = _new_remaps(node, states, epochs, cursors, reading_orders, where)
             own[REMAP] = remap.to_json()
             if next_remap is not None:
                 own[NEXT_REMAP] = next_remap.to_json()
@@ -216,7 +230,12 @@ def _rescale_indexed(cursor: IndexedNode[Any], olds: list[dict[str, Any]], path:
 
 
 def _new_remaps(
-    shard: Shard[Any], olds: list[dict[str, Any]], epochs: list[int], cursors: list[int], path: str
+    shard: Shard[Any],
+    olds: list[dict[str, Any]],
+    epochs: list[int],
+    cursors: list[int],
+    reading_orders: list[Order],
+    path: str,
 ) -> tuple[Remap, Remap | None]:
     """The remaps of the first epoch the old consumers were in and, if some had moved on, of the
     next one. A consumer that moved on has read its whole share of the first epoch; one that has
@@ -226,13 +245,13 @@ def _new_remaps(
     sizes = shard_sizes(_space(shard, held.get(first)), len(olds)).tolist()
     remap = _rescaled(held.get(first), first, shard, [
         position if epoch == first else size for epoch, position, size in zip(epochs, cursors, sizes)
-    ], path)
+    ], reading_orders, path)
     if max(epochs) == first and first + 1 not in held:
         return remap, None
     # The next epoch: what consumers that moved on read of it is left out, and a remap they
     # hold for it from an earlier rescale is carried over.
     following = [position if epoch > first else 0 for epoch, position in zip(epochs, cursors)]
-    return remap, _rescaled(held.get(first + 1), first + 1, shard, following, path)
+    return remap, _rescaled(held.get(first + 1), first + 1, shard, following, reading_orders, path)
 
 
 def _held_remaps(shard: Shard[Any], olds: list[dict[str, Any]], epochs: list[int], path: str) -> dict[int, Remap]:
@@ -262,8 +281,10 @@ def _space(shard: Shard[Any], previous: Remap | None) -> int:
     return previous.length if previous is not None else len(shard.upstream)  # type: ignore[arg-type]
 
 
-def _rescaled(previous: Remap | None, epoch: int, shard: Shard[Any], cursors: list[int], path: str) -> Remap:
+def _rescaled(
+    previous: Remap | None, epoch: int, shard: Shard[Any], cursors: list[int], reading_orders: list[Order], path: str
+) -> Remap:
     try:
-        return rescale(previous, epoch, _space(shard, previous), cursors)
+        return rescale(previous, epoch, _space(shard, previous), cursors, reading_orders)
     except StateError as error:
         raise StateError(f"{path}: {error}") from error

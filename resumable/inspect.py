@@ -23,7 +23,7 @@ from resumable.errors import StateError
 from resumable.loader_state import LoaderState, parse_loader_state
 from resumable.node import EPOCH, LENGTH, POSITION, Node
 from resumable.ops.mix import COMPONENTS
-from resumable.order.elastic import Offset, Remap
+from resumable.order.elastic import Offset, Remap, Reorder
 from resumable.order.shard import NEXT_REMAP, REMAP
 from resumable.pack.node import INHERITED, OPEN, OPEN_SIZES, READY, READY_SIZES, Pack
 from resumable.sources.files import FILES, LEGACY_FINGERPRINT_LENGTH, MTIME_NS, NAME, SIZE
@@ -294,6 +294,13 @@ def _remap_lines(value: dict[str, Any], path: str) -> list[str]:
     for step in remap.steps:
         if isinstance(step, Offset):
             lines.append(f"  compacted level: position + {step.shift:,}")
+            continue
+        if isinstance(step, Reorder):
+            names = ", ".join(
+                f"{kind}({', '.join(f'{key}={value}' for key, value in config.items())})"
+                for kind, config in step.orders
+            )
+            lines.append(f"  the {step.consumers:,} old consumers read their strides in the order of {names}")
             continue
         cursors = step.cursors
         lines.append(

@@ -411,6 +411,13 @@ class IndexedNode(Node[T]):
             self.upstream._enter_epoch(epoch)
 
     @property
+    def _parent(self) -> IndexedNode[Any]:
+        """The upstream of a node that transforms one (every indexed node but a source)."""
+        if self.upstream is None:
+            raise ConfigError(f"{self.kind} has no upstream")
+        return self.upstream
+
+    @property
     def leaf(self) -> Source[Any]:
         """The source at the bottom of this indexed chain."""
         if self.upstream is None:

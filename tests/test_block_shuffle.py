@@ -157,3 +157,16 @@ def test_resume_over_parquet_row_groups(tmp_path: Path) -> None:
     for k in (0, 13, 28, 29, 60):
         check_resume(build, k, 90)
     check_resume(build, 3, 90, k2=40)
+
+
+@pytest.mark.parametrize("block_size", [4, None])
+def test_after_a_shard_in_dataloader_workers_each_worker_reads_its_stride(block_size: int | None) -> None:
+    """A pipeline built in the main process and shuffled after its shard: each DataLoader worker
+    lays the blocks over its own stride (the layout once followed the builder's length)."""
+    from torch.utils.data import DataLoader
+
+    from resumable.torch.dataset import PipelineDataset
+
+    pipe = from_list(list(range(41))).shard().shuffle(3, block_size=block_size, window=2)
+    delivered = [int(x) for x in DataLoader(PipelineDataset(pipe), num_workers=2, batch_size=None)]
+    assert sorted(delivered) == list(range(41))

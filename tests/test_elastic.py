@@ -223,9 +223,6 @@ def test_wrong_old_states_are_state_errors() -> None:
 
 def test_unsupported_chains_are_config_errors() -> None:
     docs = documents(20)
-    states = [rs.from_list(docs).shard(c, 2).shuffle(1).get_state() for c in range(2)]
-    with pytest.raises(rs.ConfigError, match="shard"):
-        restore(rs.from_list(docs).shard(0, 3).shuffle(1), states)
     planned = [rs.from_list(docs).shard(c, 2).pack(SEQ_LEN, strategy="bfd").get_state() for c in range(2)]
     with pytest.raises(rs.ConfigError, match="whole-epoch plan"):
         restore(rs.from_list(docs).shard(0, 3).pack(SEQ_LEN, strategy="bfd"), planned)

@@ -193,7 +193,6 @@ class BlockShuffle(IndexedNode[T]):
             window = DEFAULT_WINDOW
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ConfigError(f"{self.kind}: window must be an int >= 1, got {window!r}")
-        total = len(upstream)
         bounds = None
         if block_size is None or block_size == ROW_GROUP:
             bounds = _natural_bounds(upstream)
@@ -211,25 +210,42 @@ class BlockShuffle(IndexedNode[T]):
         self.seed = seed
         self.block_size: int | str = block_size
         self.window = window
-        if bounds is not None:
-            self._layout = BlockLayout(total, window, bounds=bounds)
-        else:
-            self._layout = BlockLayout(total, window, block_size=int(block_size))
+        # Natural blocks belong to a source, whose length is fixed. Fixed-size blocks are laid
+        # over the epoch's length, resolved at use: after a shard it is the consumer's stride,
+        # known only in the process that reads (a DataLoader worker) and changed by a rescale.
+        self._natural = BlockLayout(len(upstream), window, bounds=bounds) if bounds is not None else None
+        self._sized: BlockLayout | None = None
         reserve = getattr(upstream.leaf, "reserve_cache", None)
         if bounds is not None and callable(reserve):
             # A chunk of positions may straddle two windows: keep both windows' blocks.
             reserve(2 * window)
 
     def __len__(self) -> int:
-        return len(self.upstream)  # type: ignore[arg-type]
+        return len(self._parent)
+
+    def _length(self, epoch: int) -> int:
+        return self._parent._length(epoch)
+
+    def layout(self, epoch: int) -> BlockLayout:
+        """The block layout over ``epoch``'s positions."""
+        if self._natural is not None:
+            return self._natural
+        total = self._length(epoch)
+        if self._sized is None or self._sized.total != total:
+            self._sized = BlockLayout(total, self.window, block_size=int(self.block_size))
+        return self._sized
 
     @property
     def num_blocks(self) -> int:
-        return self._layout.num_blocks
+        return self.layout(self._epoch).num_blocks
 
     def _leaf_indices(self, positions: np.ndarray, epoch: int) -> np.ndarray:
-        upstream_positions = self._layout.take(positions, self.seed, epoch)
-        return self.upstream._leaf_indices(upstream_positions, epoch)  # type: ignore[union-attr]
+        upstream_positions = self.layout(epoch).take(positions, self.seed, epoch)
+        return self._parent._leaf_indices(upstream_positions, epoch)
+
+    def _check_cursor(self, epoch: int, position: int, path: str) -> None:
+        # A permuted cursor may ask for any position below it.
+        super()._check_cursor(epoch, 0, path)
 
     def _config(self) -> dict[str, Any]:
         return {SEED: self.seed, BLOCK_SIZE: self.block_size, WINDOW: self.window}

@@ -11,6 +11,10 @@ Band then tail form a new, dense space of positions that the new consumers strid
 usual, so new shards differ in size by at most one. A ``Level`` maps that space back to its
 parent; levels stack across rescales. Once every consumer of a level's space has passed its
 band, only the tail is ever asked for and the level compacts to an ``Offset``, one integer.
+
+When old consumers read their strides in a shuffled order (a shuffle after the shard), their
+cursors count positions of that order: a ``Reorder`` step under the level maps ``c + j*C`` to
+``c + order(j)*C`` with the shuffles' keyed bijections (``resumable.order.orders``).
 Pure numpy functions over int64 arrays: nothing is materialised per position.
 """
 
@@ -23,6 +27,7 @@ from typing import Any, Sequence, TypeGuard, Union
 import numpy as np
 
 from resumable.errors import StateError
+from resumable.order import orders
 
 CONSUMERS = "consumers"
 TOP = "top"
@@ -30,6 +35,7 @@ BEHIND = "behind"
 LENGTH = "length"
 SHIFT = "shift"
 FIRST = "first"
+ORDERS = "orders"
 MAX_POSITION = 2**62
 """Largest position or size a saved remap may hold, so that sums stay inside int64."""
 
@@ -128,7 +134,35 @@ class Offset:
         return {SHIFT: self.shift}
 
 
-Step = Union[Level, Offset]
+@dataclass(frozen=True)
+class Reorder:
+    """Old consumers' reading orders: position ``c + j*C`` of this space (the ``j``-th position
+    consumer ``c`` of ``C`` read) is ``c + order(j)*C`` of the parent, a space of the same size."""
+
+    length: int
+    consumers: int
+    epoch: int
+    orders: tuple[orders.Order, ...]  # top first, as a cursor's position passes through them
+
+    def to_parent(self, positions: np.ndarray) -> np.ndarray:
+        positions = np.asarray(positions, dtype=np.int64)
+        owners, strides = np.divmod(positions, self.consumers)[::-1]
+        sizes = shard_sizes(self.length, self.consumers)[owners]
+        # Strides differ in size by at most one: evaluate each size's orders once.
+        for size in np.unique(sizes).tolist():
+            selected = np.flatnonzero(sizes == size)
+            picked = strides[selected]
+            for order in self.orders:
+                picked = orders.take(order, picked, size, self.epoch)
+            strides[selected] = picked
+        return owners + strides * self.consumers
+
+    def to_json(self) -> dict[str, Any]:
+        saved = [[kind, config] for kind, config in self.orders]
+        return {LENGTH: self.length, CONSUMERS: self.consumers, ORDERS: saved}
+
+
+Step = Union[Level, Offset, Reorder]
 
 
 @dataclass(frozen=True)
@@ -162,7 +196,7 @@ class Remap:
             if isinstance(step, Level) and floor >= step.band:
                 step, changed = step.compacted(), True
             steps.append(step)
-            floor = floor + step.shift if isinstance(step, Offset) else step.floor
+            floor = _floor_below(step, floor)
         return Remap(self.epoch, self.length, tuple(steps) if changed else self.steps, first)
 
     def to_json(self) -> dict[str, Any]:
@@ -180,7 +214,7 @@ class Remap:
         epoch, length, first = value.get("epoch"), value.get(LENGTH), value.get(FIRST, 0)
         if not (_is_count(epoch) and _is_count(length) and _is_count(first)):
             raise StateError(f"{path}: remap epoch, length and first must be ints in [0, {MAX_POSITION}]")
-        remap = cls(epoch, length, tuple(_step_from_json(step, path) for step in value["steps"]), first)
+        remap = cls(epoch, length, tuple(_step_from_json(step, epoch, path) for step in value["steps"]), first)
         if base_length is not None and remap.base_length(path) != base_length:
             raise StateError(
                 f"{path}: the remap maps {length} positions onto {remap.base_length(path)}, "
@@ -197,6 +231,9 @@ class Remap:
                 if len(step) != size:
                     raise StateError(f"{path}: a remap level leaves {len(step)} positions where {size} are mapped")
                 size = step.parent_length
+            elif isinstance(step, Reorder):
+                if step.length != size:
+                    raise StateError(f"{path}: a remap reorder spans {step.length} positions where {size} are mapped")
             else:
                 size += step.shift
         return size
@@ -220,9 +257,16 @@ def merge(remaps: Sequence[Remap], path: str) -> Remap:
     return Remap(head.epoch, head.length, tuple(steps))
 
 
-def rescale(remap: Remap | None, epoch: int, space_length: int, cursors: Sequence[int]) -> Remap:
+def rescale(
+    remap: Remap | None,
+    epoch: int,
+    space_length: int,
+    cursors: Sequence[int],
+    reading_orders: Sequence[orders.Order] = (),
+) -> Remap:
     """The remap after old consumers stopped at ``cursors`` in a space of ``space_length``
-    (the newest space of ``remap``, or the epoch's positions when ``remap`` is None)."""
+    (the newest space of ``remap``, or the epoch's positions when ``remap`` is None), having
+    read their strides through ``reading_orders`` (shuffles after the shard, top first)."""
     if remap is not None and (remap.epoch != epoch or remap.length != space_length):
         raise StateError(f"remap of epoch {remap.epoch} over {remap.length} positions does not fit "
                          f"epoch {epoch} over {space_length}")
@@ -241,12 +285,24 @@ def rescale(remap: Remap | None, epoch: int, space_length: int, cursors: Sequenc
     newest: Step = level if level.band else Offset(level.tail_start)
     floor = level.floor
     steps: list[Step] = [newest]
+    if reading_orders:
+        steps.append(Reorder(space_length, len(cursor_array), epoch, tuple(reading_orders)))
+        floor = 0
     for step in remap.steps if remap is not None else ():
         if isinstance(step, Level) and floor >= step.band:  # every position asked for is in the tail
             step = Offset(step.tail_start - step.band)
         steps.append(step)
-        floor = floor + step.shift if isinstance(step, Offset) else step.floor
+        floor = _floor_below(step, floor)
     return Remap(epoch, len(level), _merge_offsets(steps))
+
+
+def _floor_below(step: Step, floor: int) -> int:
+    """The lowest parent position ``step`` asks for, given the lowest of its own space."""
+    if isinstance(step, Offset):
+        return floor + step.shift
+    if isinstance(step, Reorder):
+        return 0  # a reading order may send any position anywhere
+    return step.floor
 
 
 def _merge_offsets(steps: list[Step]) -> tuple[Step, ...]:
@@ -259,9 +315,13 @@ def _merge_offsets(steps: list[Step]) -> tuple[Step, ...]:
     return tuple(step for step in merged if not (isinstance(step, Offset) and step.shift == 0))
 
 
-def _step_from_json(value: Any, path: str) -> Step:
+def _step_from_json(value: Any, epoch: int, path: str) -> Step:
     if isinstance(value, dict) and set(value) == {SHIFT} and _is_count(value[SHIFT]):
         return Offset(value[SHIFT])
+    if isinstance(value, dict) and set(value) == {LENGTH, CONSUMERS, ORDERS}:
+        length, consumers, saved = value[LENGTH], value[CONSUMERS], value[ORDERS]
+        if _is_count(length) and _is_count(consumers) and consumers > 0 and isinstance(saved, list) and saved:
+            return Reorder(length, consumers, epoch, tuple(orders.check_order(order, path) for order in saved))
     if isinstance(value, dict) and set(value) == {LENGTH, CONSUMERS, TOP, BEHIND}:
         length, consumers, top, behind = value[LENGTH], value[CONSUMERS], value[TOP], value[BEHIND]
         if (

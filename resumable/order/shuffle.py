@@ -32,11 +32,15 @@ class Shuffle(IndexedNode[T]):
         self._permutation: tuple[int, int, Permutation] | None = None
 
     def __len__(self) -> int:
-        return len(self.upstream)  # type: ignore[arg-type]
+        return len(self._parent)
+
+    def _length(self, epoch: int) -> int:
+        return self._parent._length(epoch)
 
     def permutation(self, epoch: int) -> Permutation:
-        """The permutation of ``epoch`` (cached for the last epoch asked for)."""
-        total = len(self)
+        """The permutation of ``epoch`` (cached for the last epoch asked for); its size is the
+        epoch's, which after a rescale of a shard below is that consumer's new stride."""
+        total = self._length(epoch)
         cached = self._permutation
         if cached is None or cached[0] != epoch or cached[1] != total:
             cached = self._permutation = (epoch, total, Permutation(total, self.seed, epoch))
@@ -44,7 +48,11 @@ class Shuffle(IndexedNode[T]):
 
     def _leaf_indices(self, positions: np.ndarray, epoch: int) -> np.ndarray:
         permuted = self.permutation(epoch).take(positions)
-        return self.upstream._leaf_indices(permuted, epoch)  # type: ignore[union-attr]
+        return self._parent._leaf_indices(permuted, epoch)
+
+    def _check_cursor(self, epoch: int, position: int, path: str) -> None:
+        # A permuted cursor may ask for any position below it.
+        super()._check_cursor(epoch, 0, path)
 
     def _config(self) -> dict[str, Any]:
         return {SEED: self.seed}

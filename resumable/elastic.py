@@ -26,7 +26,7 @@ rescaled on its own, the schedule starts afresh). A whole-epoch ``bfd`` plan rai
 from __future__ import annotations
 
 import copy
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence, runtime_checkable
 
 from resumable.errors import ConfigError, StateError
 from resumable.node import EPOCH, LENGTH, POSITION, IndexedNode, Node
@@ -51,7 +51,32 @@ from resumable.state import (
     require_count,
 )
 
-__all__ = ["restore", "rescaled_state", "consumer_of"]
+__all__ = ["Rescalable", "as_consumer", "consumer_of", "rescaled_state", "restore"]
+
+
+@runtime_checkable
+class Rescalable(Protocol):
+    """A node that holds something per consumer beyond its upstream's cursor (a packer's pieces,
+    a stream's work items, a mix's schedule, a repeat's epoch count), so a new topology cannot
+    start it as a fresh epoch. The indexed chain (cursor and shard) is rescaled here, by
+    ``_rescale_indexed``; every other node starts its part of the epoch afresh."""
+
+    def _rescale(self, olds: list[dict[str, Any]], path: str, consumer: int, num_consumers: int) -> dict[str, Any]:
+        """This node's own state entries (no children) for new consumer ``consumer`` of
+        ``num_consumers``, continuing the epoch that the old consumers' states ``olds`` were in."""
+        ...
+
+
+def as_consumer(pipeline: Node[Any], topology: Topology) -> Node[Any]:
+    """``pipeline``, whose shards and file-sharded streams now read as ``topology``'s consumer
+    whatever the process: to replay an old consumer, or plan a new one, in this process."""
+    pending = [pipeline]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, (Shard, JsonlStream)):
+            node._consumer.pin(topology)
+        pending.extend(node._children().values())
+    return pipeline
 
 
 def consumer_of(state: dict[str, Any], path: str = "state") -> tuple[int, int]:
@@ -165,7 +190,10 @@ def _rescale_node(
         check_header(old, node.kind, path)
     if isinstance(node, IndexedNode):
         return _rescale_indexed(node, olds, path)
-    state = node._rescale(olds, path, consumer, num_consumers)
+    if isinstance(node, Rescalable):
+        state = node._rescale(olds, path, consumer, num_consumers)
+    else:
+        state = node._fresh_rescaled(olds, path)
     for where, child in node._children().items():
         child_olds = [_nested(old, where, path) for old in olds]
         child_path = f"{path}[{where[-1]}] > {child.kind}" if len(where) > 1 else f"{path} > {child.kind}"

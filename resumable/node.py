@@ -253,11 +253,10 @@ class Node(Generic[T]):
         check_config(state, self._config(), path)
         self._check_identity(state, path)
 
-    def _rescale(self, olds: list[dict[str, Any]], path: str, consumer: int, num_consumers: int) -> dict[str, Any]:
-        """This node's own state entries (no upstream) for new consumer ``consumer`` of
-        ``num_consumers``, continuing the epoch that the old consumers' states ``olds`` were
-        in (``resumable.elastic``). By default: the same options (but ``_elastic_options``),
-        the same data, counters of a fresh epoch."""
+    def _fresh_rescaled(self, olds: list[dict[str, Any]], path: str) -> dict[str, Any]:
+        """This node's own state entries (no upstream) on a new consumer, for a node that holds
+        nothing per consumer (``resumable.elastic.Rescalable`` nodes do): the same options (but
+        ``_elastic_options``), the same data, counters of a fresh epoch."""
         config = {key: value for key, value in self._config().items() if key not in self._elastic_options}
         for old in olds:
             check_config(old, config, path)

@@ -237,8 +237,9 @@ def test_ranks_times_workers_resolved_from_the_environment(
     topologies: list[tuple[int, int]], fraction: float
 ) -> None:
     """``.shard()`` without arguments, as in a job: each simulated rank x worker builds its
-    pipeline under an assumed topology, exactly as it would resolve it in a DataLoader worker."""
-    from resumable.order.topology import Topology, assume
+    pipeline under a simulated topology, exactly as it would resolve it in a DataLoader worker."""
+    from resumable.order.topology import Topology
+    from tests.topology import simulated_consumer
 
     docs = documents(97)
     seen: Counter[int] = Counter()
@@ -248,7 +249,7 @@ def test_ranks_times_workers_resolved_from_the_environment(
         new_states = []
         for rank in range(ranks):
             for worker in range(workers):
-                with assume(Topology(rank, ranks, worker, workers)):
+                with simulated_consumer(Topology(rank, ranks, worker, workers)):
                     pipe = rs.from_list(docs).shuffle(5).shard().filter(keep).pack(SEQ_LEN, buffer_size=3)
                     if states is not None:
                         restore(pipe, states)

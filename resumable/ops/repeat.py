@@ -70,7 +70,7 @@ class Repeat(Node[T]):
         self._yielded = require(state, YIELDED, bool, path)
 
     def _rescale(self, olds: list[dict[str, Any]], path: str, consumer: int, num_consumers: int) -> dict[str, Any]:
-        state = super()._rescale(olds, path, consumer, num_consumers)
+        state = self._fresh_rescaled(olds, path)
         # A consumer that finished its last epoch counts it as done while its cursor stays in
         # it, so counts may span two epochs where the cursors (checked by the rescale) span one.
         done = [require_count(old, EPOCHS_DONE, path) for old in olds]

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
 
 from resumable.errors import ConfigError
 
@@ -53,23 +51,6 @@ def inherit_rank(rank: int, world_size: int) -> None:
     _inherited_rank = (rank, world_size)
 
 
-# A topology assumed by this process while it builds and runs other consumers' pipelines
-# (replaying old workers and planning new ones in an elastic rescale).
-_assumed: Topology | None = None
-
-
-@contextmanager
-def assume(topology: Topology) -> Iterator[None]:
-    """Within the block, ``distributed_rank()`` and ``dataloader_worker()`` report ``topology``:
-    pipelines first used inside it shard as that consumer."""
-    global _assumed
-    previous, _assumed = _assumed, topology
-    try:
-        yield
-    finally:
-        _assumed = previous
-
-
 def distributed_rank() -> tuple[int, int]:
     """``(rank, world_size)`` from an initialised torch.distributed, else the rank a DataLoader
     worker inherited from its parent, else RANK/WORLD_SIZE, else (0, 1).
@@ -77,8 +58,6 @@ def distributed_rank() -> tuple[int, int]:
     torch is only consulted if already imported: if it is not, neither a process group nor a
     DataLoader worker can exist, and importing it would cost a second at start-up.
     """
-    if _assumed is not None:
-        return _assumed.rank, _assumed.world_size
     torch = sys.modules.get("torch")
     if torch is not None:
         dist = torch.distributed
@@ -99,8 +78,6 @@ def distributed_rank() -> tuple[int, int]:
 
 def dataloader_worker() -> tuple[int, int]:
     """``(worker_id, num_workers)`` inside a torch DataLoader worker, else (0, 1)."""
-    if _assumed is not None:
-        return _assumed.worker, _assumed.num_workers
     torch = sys.modules.get("torch")
     if torch is None:
         return 0, 1
@@ -123,7 +100,9 @@ class Consumer:
     """Which consumer this process is, for a node that splits the epoch (a shard, a file-sharded
     stream): explicit ``rank``/``world_size`` or else ``distributed_rank()``, split further by
     DataLoader worker unless ``split_workers`` is False. Resolved at first use and again after a
-    fork, so a pipeline built before its DataLoader workers start still splits correctly."""
+    fork, so a pipeline built before its DataLoader workers start still splits correctly; or
+    pinned to another consumer's topology (``pin``), to replay or plan that consumer's reading
+    in this process (an elastic rescale)."""
 
     def __init__(self, rank: int | None, world_size: int | None, split_workers: bool, where: str) -> None:
         if (rank is None) != (world_size is None):
@@ -132,10 +111,21 @@ class Consumer:
             check_rank(rank, world_size, where)  # type: ignore[arg-type]
         self.rank, self.world_size, self.split_workers = rank, world_size, split_workers
         self._resolved: tuple[int, Topology] | None = None
+        self._pinned: Topology | None = None
+
+    def pin(self, topology: Topology) -> None:
+        """Read as ``topology``'s consumer from now on, in this process and any other (as its
+        rank only, without ``split_workers``)."""
+        self._pinned = topology if self.split_workers else Topology(topology.rank, topology.world_size)
 
     def resolve(self) -> tuple[Topology, bool]:
-        """This process's topology, and whether it was resolved just now (first use here)."""
+        """This process's topology, and whether it was resolved just now (first use here, or
+        first use since it was pinned to another)."""
         pid = os.getpid()
+        if self._pinned is not None:
+            fresh = self._resolved is None or self._resolved[1] != self._pinned
+            self._resolved = (pid, self._pinned)
+            return self._pinned, fresh
         if self._resolved is not None and self._resolved[0] == pid:
             return self._resolved[1], False
         if self.rank is None:

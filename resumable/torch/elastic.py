@@ -15,11 +15,11 @@ import copy
 import json
 from typing import Any, Callable, Sequence
 
-from resumable.elastic import rescaled_state
+from resumable.elastic import as_consumer, rescaled_state
 from resumable.errors import StateError
 from resumable.loader_state import LoaderState
 from resumable.node import Node
-from resumable.order.topology import Topology, assume
+from resumable.order.topology import Topology
 
 
 def old_consumer_states(build: Callable[[], Node[Any]], olds: Sequence[LoaderState]) -> list[dict[str, Any]]:
@@ -49,17 +49,18 @@ def handed_out_states(build: Callable[[], Node[Any]], old: LoaderState) -> list[
             worker, turn = turn, (turn + 1) % old.num_workers
             if worker in exhausted:
                 continue
-            with assume(Topology(old.rank, old.world_size, worker, old.num_workers)):
-                if worker not in pipelines:
-                    pipeline = pipelines[worker] = build()
-                    # Replayed with the old options (a rescale may change the batch size).
-                    pipeline._adopt_elastic_options(workers[worker], pipeline.kind)
-                    pipeline.set_state(workers[worker])
-                try:
-                    next(pipelines[worker])
-                    break
-                except StopIteration:
-                    exhausted.add(worker)
+            if worker not in pipelines:
+                pipeline = pipelines[worker] = as_consumer(
+                    build(), Topology(old.rank, old.world_size, worker, old.num_workers)
+                )
+                # Replayed with the old options (a rescale may change the batch size).
+                pipeline._adopt_elastic_options(workers[worker], pipeline.kind)
+                pipeline.set_state(workers[worker])
+            try:
+                next(pipelines[worker])
+                break
+            except StopIteration:
+                exhausted.add(worker)
     return [
         pipelines[worker].get_state() if worker in pipelines else workers[worker] for worker in range(old.num_workers)
     ]
@@ -77,9 +78,8 @@ def rescale_for_rank(
     workers = max(num_workers, 1)
     rescaled = {}
     for worker in range(workers):
-        with assume(Topology(rank, world_size, worker if num_workers else 0, workers)):
-            pipeline = build()
-            rescaled[worker] = json.dumps(rescaled_state(pipeline, consumers), separators=(",", ":"))
+        pipeline = as_consumer(build(), Topology(rank, world_size, worker if num_workers else 0, workers))
+        rescaled[worker] = json.dumps(rescaled_state(pipeline, consumers), separators=(",", ":"))
     return rescaled
 
 

@@ -27,6 +27,9 @@ from resumable.state import (
     check_config,
     check_header,
     check_json,
+    child_path,
+    nested,
+    put_nested,
     require,
     require_count,
 )
@@ -216,13 +219,21 @@ class Node(Generic[T]):
         return self._state(progress=True)
 
     def _state(self, progress: bool) -> dict[str, Any]:
+        """Header, then progress (unless only the configuration is asked for), then each
+        child's state where ``_children`` places it."""
         state = self._header()
         if progress:
             state.update(self._progress())
             state[ENDED] = self._ended
-        if self.upstream is not None:
-            state[UPSTREAM] = self.upstream._state(progress=self._upstream_progress)
+        for where, child in self._children().items():
+            put_nested(state, where, self._child_state(child, progress))
         return state
+
+    def _child_state(self, child: Node[Any], progress: bool) -> dict[str, Any]:
+        """A child's state as saved in this node's: with its progress unless this node's own
+        progress determines it (``_upstream_progress``); a read-ahead node substitutes the
+        state it recorded as of the last item handed out."""
+        return child._state(progress=progress and self._upstream_progress)
 
     def set_state(self, state: dict[str, Any]) -> None:
         """Continue exactly after the item at which ``state`` was taken.
@@ -239,11 +250,17 @@ class Node(Generic[T]):
             raise
 
     def _load(self, state: Any, path: str, progress: bool = True) -> None:
+        """Check the header and configuration, load the children, then this node's progress."""
         check_header(state, self.kind, path)
         self._check_config(state, path)
-        if self.upstream is not None:
-            upstream_state = require(state, UPSTREAM, dict, path)
-            self.upstream._load(upstream_state, f"{path} > {self.upstream.kind}", self._upstream_progress)
+        children = self._children()
+        for group in {where[:-1] for where in children if len(where) > 1}:
+            saved, expected = nested(state, group, path), {w[-1] for w in children if w[:-1] == group}
+            if set(saved) != expected:
+                name = "/".join(group)
+                raise StateError(f"{path}: state holds {name} {sorted(saved)!r}, this node has {sorted(expected)!r}")
+        for where, child in children.items():
+            child._load(nested(state, where, path), child_path(path, where, child.kind), self._upstream_progress)
         if progress:
             self._restore(state, path)
             self._ended = require(state, ENDED, bool, path)

@@ -50,6 +50,28 @@ def require_count(state: Mapping[str, Any], key: str, path: str, upper: int | No
     return value
 
 
+def nested(state: Mapping[str, Any], where: tuple[str, ...], path: str) -> dict[str, Any]:
+    """The state nested at ``where`` (a child's: ``("upstream",)``, ``("components", name)``)."""
+    value: Any = state
+    for key in where:
+        if not isinstance(value, dict) or not isinstance(value.get(key), dict):
+            raise StateError(f"{path}: state has no {'/'.join(where)!r} entry")
+        value = value[key]
+    return value  # type: ignore[no-any-return]  # checked to be a dict just above
+
+
+def put_nested(state: dict[str, Any], where: tuple[str, ...], value: dict[str, Any]) -> None:
+    """Nest ``value`` in ``state`` at ``where``."""
+    for key in where[:-1]:
+        state = state.setdefault(key, {})
+    state[where[-1]] = value
+
+
+def child_path(path: str, where: tuple[str, ...], kind: str) -> str:
+    """The path of a child in messages: ``Batch > Shard``, ``Mix[web] > Shard``."""
+    return f"{path}[{where[-1]}] > {kind}" if len(where) > 1 else f"{path} > {kind}"
+
+
 def check_header(state: Any, kind: str, path: str) -> None:
     """Check that ``state`` is a dict saved by a node of ``kind`` with this format version."""
     if not isinstance(state, dict):

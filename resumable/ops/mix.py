@@ -66,7 +66,6 @@ from resumable.order.lcg import _splitmix64
 from resumable.state import (
     ENDED,
     check_config,
-    check_header,
     require,
     require_adjacent_epochs,
     require_count,
@@ -387,14 +386,6 @@ class Mix(Node[T]):
             LAST: self._last,
         }
 
-    def _state(self, progress: bool) -> dict[str, Any]:
-        state = self._header()
-        if progress:
-            state.update(self._progress())
-            state[ENDED] = self._ended
-        state[COMPONENTS] = {name: node._state(progress=True) for name, node in self.components.items()}
-        return state
-
     def _check_config(self, state: dict[str, Any], path: str) -> None:
         saved = state.get(NAMES)
         if saved != list(self.names):
@@ -402,20 +393,6 @@ class Mix(Node[T]):
                 f"{path}: state was saved for components {short_repr(saved)}, this mix has {list(self.names)!r}"
             )
         check_config(state, self._config(), path)
-
-    def _load(self, state: Any, path: str, progress: bool = True) -> None:
-        check_header(state, self.kind, path)
-        self._check_config(state, path)
-        saved = require(state, COMPONENTS, dict, path)
-        if sorted(saved) != sorted(self.names):
-            raise StateError(
-                f"{path}: state holds components {sorted(saved)!r}, this mix has {sorted(self.names)!r}"
-            )
-        for name, node in self.components.items():
-            node._load(saved[name], f"{path}[{name}] > {node.kind}", True)
-        if progress:
-            self._restore(state, path)
-            self._ended = require(state, ENDED, bool, path)
 
     def _restore(self, state: dict[str, Any], path: str) -> None:
         self._epoch = require_count(state, EPOCH, path)

@@ -14,7 +14,6 @@ import contextlib
 from typing import Any, ContextManager, TypeVar
 
 from resumable.node import Node, RecordKey
-from resumable.state import ENDED, UPSTREAM
 
 T = TypeVar("T")
 
@@ -71,20 +70,12 @@ class ReadAhead(Node[T]):
 
     # -- state ------------------------------------------------------------------------------
 
-    def _state(self, progress: bool) -> dict[str, Any]:
-        state = self._header()
-        if progress:
-            state.update(self._progress())
-            state[ENDED] = self._ended
-            recorded = self._recorded
-            if recorded is None:
-                with self._upstream_guard():
-                    recorded = self.upstream._state(progress=True)
-            state[UPSTREAM] = recorded
-        else:
-            with self._upstream_guard():
-                state[UPSTREAM] = self.upstream._state(progress=False)
-        return state
+    def _child_state(self, child: Node[Any], progress: bool) -> dict[str, Any]:
+        """The upstream's state as of the last item handed out, not as of the read-ahead."""
+        if progress and self._recorded is not None:
+            return self._recorded
+        with self._upstream_guard():
+            return child._state(progress=progress)
 
     def _load(self, state: Any, path: str, progress: bool = True) -> None:
         self._drop_ahead()

@@ -8,7 +8,9 @@ pipeline states of *all* old consumers, in consumer order. It gets
   over the new consumers (``resumable.order.elastic``: about one integer per old consumer
   while the ragged band between the slowest and fastest old cursor is being read, then one);
 * its share of what old consumers held in buffers, by reference: the packer's pieces (a split
-  document's rest included) are dealt out one by one across the new consumers.
+  document's rest included) are dealt out one by one across the new consumers; a whole-epoch
+  ``bfd`` plan's rows not yet handed out are planned again from the old states and dealt out
+  whole (``resumable.pack.epoch``), and the strides they came from count as read.
 
 From the next epoch on, the new topology reads whole epochs as if it had always been there.
 With the same number of consumers (even split differently into ranks x workers) each consumer
@@ -18,9 +20,8 @@ Supported chains: an indexed part with a ``.shard()`` followed only by serial ``
 ``.shuffle()`` (a shuffle after the shard is a per-consumer reading order, which the remap
 replays: ``resumable.order.orders``), or a file-sharded ``rs.jsonl_stream`` (its work items, a
 file and a byte offset each, are dealt out), then any of filter, map, batch, prefetch, parallel
-map, repeat and pack (streaming strategies), and ``mix`` of such chains (each component is
-rescaled on its own, the schedule starts afresh). A whole-epoch ``bfd`` plan raises
-``ConfigError``.
+map, repeat and pack (every strategy), and ``mix`` of such chains (each component is
+rescaled on its own, the schedule starts afresh).
 """
 
 from __future__ import annotations
@@ -194,6 +195,7 @@ def _rescale_node(
         state = node._rescale(olds, path, consumer, num_consumers)
     else:
         state = node._fresh_rescaled(olds, path)
+    olds = node._olds_for_children(olds, path)
     for where, child in node._children().items():
         child_olds = [_nested(old, where, path) for old in olds]
         child_path = f"{path}[{where[-1]}] > {child.kind}" if len(where) > 1 else f"{path} > {child.kind}"

@@ -285,6 +285,12 @@ class Node(Generic[T]):
         upstream under ``("upstream",)``, a mix's components under ``("components", name)``."""
         return {} if self.upstream is None else {(UPSTREAM,): self.upstream}
 
+    def _olds_for_children(self, olds: list[dict[str, Any]], path: str) -> list[dict[str, Any]]:
+        """The old consumers' states as the elastic rescale of this node's children reads them:
+        ``olds`` themselves, unless this node has taken more of its upstream's epoch than the
+        upstream's cursor shows (a whole-epoch plan takes its whole stride at once)."""
+        return olds
+
     def _adopt_elastic_options(self, state: Any, path: str) -> None:
         """Take the values of ``_elastic_options`` saved in ``state``, down the chain, so an old
         consumer's batches can be replayed with the options it ran with (``rs.torch.Loader``)."""
@@ -496,24 +502,35 @@ class IndexedNode(Node[T]):
         by random access (the cursor does not move). A record the decoder rejects raises the
         source's error, or with ``skip`` is left out when the source skips malformed records
         (``on_error="skip"``, counted by the source), as iteration would."""
-        self._prepare_chain()
-        decode, fns = self._decode, self._fns
         position = start
         while position < stop:
             raws = self._raw_chunk(position, min(MAX_CHUNK, stop - position), epoch)
             leaves = self._leaf_indices(np.arange(position, position + len(raws), dtype=np.int64), epoch)
-            for raw, leaf in zip(raws, leaves.tolist()):
-                position += 1
-                record = raw
-                if decode is not None:
-                    try:
-                        record = decode(raw)
-                    except Exception as error:  # noqa: BLE001 - the source raises its own error
-                        self.leaf._decode_failed(raw, leaf, error, may_skip=skip)
-                        continue
-                for fn in fns:
-                    record = fn(record)
-                yield leaf, record
+            position += len(raws)
+            yield from self._decoded(raws, leaves, skip)
+
+    def _scan_leaves(self, leaves: np.ndarray, skip: bool) -> Iterator[tuple[int, T]]:
+        """``(leaf index, record)`` for leaf records ``leaves`` (int64), in that order, read as
+        ``_scan`` reads positions: for positions another consumer read (an elastic rescale)."""
+        for start in range(0, len(leaves), MAX_CHUNK):
+            chunk = leaves[start : start + MAX_CHUNK]
+            yield from self._decoded(self.leaf._raw_at(chunk), chunk, skip)
+
+    def _decoded(self, raws: Sequence[Any], leaves: np.ndarray, skip: bool) -> Iterator[tuple[int, T]]:
+        """Raw records of leaf indices ``leaves`` through this chain's decoder and maps."""
+        self._prepare_chain()
+        decode, fns = self._decode, self._fns
+        for raw, leaf in zip(raws, leaves.tolist()):
+            record = raw
+            if decode is not None:
+                try:
+                    record = decode(raw)
+                except Exception as error:  # noqa: BLE001 - the source raises its own error
+                    self.leaf._decode_failed(raw, leaf, error, may_skip=skip)
+                    continue
+            for fn in fns:
+                record = fn(record)
+            yield leaf, record
 
     def last_key(self) -> RecordKey | None:
         last = self.position - 1

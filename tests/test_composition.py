@@ -99,12 +99,6 @@ BFD_WINDOWS = "give buffer_size=N to pack windows of N documents instead"
 UNTRACEABLE = "cannot trace its items back to indexed records"
 
 # Holes: pairs that today neither work nor are refused at construction.
-BFD_RESCALE = hole(
-    "under repair: a whole-epoch bfd plan resumes exactly, but a rescale raises ConfigError at "
-    "rescale time ('a whole-epoch plan ... cannot be rescaled')",
-    failing=("rescale",),
-    raises=rs.ConfigError,
-)
 PACK_UNTRACEABLE = hole(
     "pack after a node whose items have no record key (batch, pack) builds, and raises "
     "ConfigError only at the first next()",
@@ -150,26 +144,18 @@ ROWS: dict[str, dict[str, Cell]] = {
     # The messages tell a stream to "place it before filter, batch and pack", which does not
     # apply to a source (the README says what to do: shuffle_files=, or rs.jsonl).
     "stream": ITERATOR_ROW,
-    "map": {**INDEXED_ROW, "pack_bfd": BFD_RESCALE},
+    "map": INDEXED_ROW,
     "pmap": ITERATOR_ROW,
     "filter": ITERATOR_ROW,
     "batch": {**ITERATOR_ROW, "pack": PACK_UNTRACEABLE},
     "prefetch": ITERATOR_ROW,
     "cache": INDEXED_ROW,
-    "shuffle": {**INDEXED_ROW, "cache": refused(CACHE_ORDER), "pack_bfd": BFD_RESCALE},
-    "block_shuffle": {**INDEXED_ROW, "cache": refused(CACHE_ORDER), "pack_bfd": BFD_RESCALE},
-    "shard": {
-        **INDEXED_ROW,
-        "cache": refused(CACHE_ORDER),
-        "shard": SHARD_TWICE,
-        "pack_bfd": BFD_RESCALE,
-    },
+    "shuffle": {**INDEXED_ROW, "cache": refused(CACHE_ORDER)},
+    "block_shuffle": {**INDEXED_ROW, "cache": refused(CACHE_ORDER)},
+    "shard": {**INDEXED_ROW, "cache": refused(CACHE_ORDER), "shard": SHARD_TWICE},
     "repeat": {**ITERATOR_ROW, "repeat": REPEAT_TWICE},
     "pack": {**ITERATOR_ROW, "pack": PACK_UNTRACEABLE},
-    "pack_bfd": {
-        **{down: BFD_RESCALE if cell.verdict == "works" else cell for down, cell in ITERATOR_ROW.items()},
-        "pack": PACK_UNTRACEABLE,
-    },
+    "pack_bfd": {**ITERATOR_ROW, "pack": PACK_UNTRACEABLE},
     "mix": ITERATOR_ROW,
 }
 TABLE: dict[tuple[str, str], Cell] = {(up, down): cell for up, row in ROWS.items() for down, cell in row.items()}

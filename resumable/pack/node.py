@@ -18,11 +18,12 @@ from typing import Any, Iterator, Mapping, NamedTuple
 import numpy as np
 
 from resumable.errors import ConfigError, ResumableError, SourceError, StateError
-from resumable.node import IndexedNode, Node, RecordKey
+from resumable.node import EPOCH, MAX_CHUNK, POSITION, IndexedNode, Node, RecordKey
 from resumable.ops.mix import Mix
+from resumable.pack.epoch import NO_INHERITED_ROWS, InheritedRows, Plan, Stride, share
 from resumable.pack.rows import RowFormat, Segment, collate_rows, cu_seqlens_length
 from resumable.pack.strategies import STRATEGIES, NextFit, Packer, Row, best_fit_decreasing, make_packer
-from resumable.state import ENDED, require, require_count, short_repr
+from resumable.state import ENDED, UPSTREAM, require, require_adjacent_epochs, require_count, short_repr
 
 DEFAULT_BUFFER_SIZE = 1000
 OVERLONG_POLICIES = ("split", "truncate", "drop")
@@ -50,8 +51,12 @@ EXHAUSTED = "exhausted"
 # Pieces handed over by other consumers in an elastic rescale, packed before the upstream's.
 INHERITED = "inherited"
 # Progress of a whole-epoch plan (``strategy="bfd"`` without ``buffer_size``); the epoch is the
-# indexed upstream's, saved in its state.
+# indexed upstream's, saved in its state. Rows handed out this epoch (inherited ones first), the
+# plan's rows once it is made, and after a rescale the inherited rows: whole rows of old
+# consumers' plans, as piece references under INHERITED cut into rows by INHERITED_SIZES.
 EMITTED = "emitted"
+PLANNED = "planned"
+INHERITED_SIZES = "inherited_sizes"
 # Counters, in both modes.
 STATS = "stats"
 
@@ -119,29 +124,6 @@ class Piece(NamedTuple):
 
 def _piece(key: RecordKey, start: int, end: int, tokens: np.ndarray, labels: np.ndarray | None) -> Piece:
     return Piece(start, end, tokens, labels, [*key, start, end])
-
-
-class Plan(NamedTuple):
-    """A whole epoch packed ahead, in numpy arrays (about 40 bytes per piece).
-
-    Piece ``i`` is tokens ``[starts[i], ends[i])`` of leaf record ``records[i]``; row ``r``
-    holds pieces ``order[bounds[r]:bounds[r + 1]]``.
-    """
-
-    records: np.ndarray
-    starts: np.ndarray
-    ends: np.ndarray
-    order: np.ndarray
-    bounds: np.ndarray
-    counts: dict[str, int]
-
-    @property
-    def rows(self) -> int:
-        return len(self.bounds) - 1
-
-    def row(self, index: int) -> list[int]:
-        """The pieces of row ``index``."""
-        return self.order[self.bounds[index] : self.bounds[index + 1]].tolist()  # type: ignore[no-any-return]
 
 
 class Pack(Node[dict[str, np.ndarray]]):
@@ -253,6 +235,8 @@ class Pack(Node[dict[str, np.ndarray]]):
         self._counts = dict.fromkeys(COUNTERS, 0)
         self._plan: Plan | None = None
         self._emitted = 0
+        self._inherited_rows = NO_INHERITED_ROWS
+        self._inherited_now = 0  # the inherited rows of the epoch being read, the first ones
         self._cached: tuple[RecordKey, tuple[np.ndarray, np.ndarray | None]] | None = None
 
     def _new_packer(self) -> Packer:
@@ -273,11 +257,14 @@ class Pack(Node[dict[str, np.ndarray]]):
         once each: exactly the records a restore fetches again. For a whole-epoch plan, the
         documents of the rows not yet handed out."""
         if self._whole_epoch:
-            if self._plan is None:
-                return []
-            plan, epoch = self._plan, self._plan_epoch()
-            records = plan.records[plan.order[plan.bounds[self._emitted] :]].tolist()
-            return [(epoch, index) for index in dict.fromkeys(records)]
+            inherited = self._inherited_rows
+            first_left = inherited.bounds[min(self._emitted, self._inherited_now)]
+            keys = [(ref[0], ref[1]) for ref in inherited.refs[first_left:]]
+            if self._plan is not None:
+                plan, epoch = self._plan, self._plan_epoch()
+                first = max(self._emitted - self._inherited_now, 0)
+                keys.extend((epoch, index) for index in plan.records[plan.order[plan.bounds[first] :]].tolist())
+            return list(dict.fromkeys(keys))
         return list(dict.fromkeys(piece.key for piece in self._buffered()))
 
     def _buffered(self) -> Iterator[Piece]:
@@ -464,17 +451,23 @@ class Pack(Node[dict[str, np.ndarray]]):
     # -- whole-epoch plan (strategy="bfd" without buffer_size) -----------------------------
 
     def _next_planned(self) -> dict[str, np.ndarray]:
-        if self._plan is None:
-            self._plan = self._make_plan(self._plan_epoch())
-            self._counts.update(self._plan.counts)
-        plan = self._plan
-        if self._emitted == plan.rows:
-            raise StopIteration
-        segments = []
+        """The next row of this epoch: the inherited rows first (a rescale handed them over), then
+        the plan of the epoch, made when its first row is due."""
         epoch = self._plan_epoch()
-        for index in plan.row(self._emitted):
-            tokens, labels = self._fetch_cached((epoch, int(plan.records[index])))
-            segments.append(Segment(tokens, labels, int(plan.starts[index]), int(plan.ends[index])))
+        if self._emitted < self._inherited_now:
+            pieces = self._inherited_rows.row(self._emitted)
+        else:
+            if self._plan is None:
+                self._plan = self._make_plan(epoch, self._own_records(epoch))
+                self._counts.update(self._plan.counts)
+            plan, row = self._plan, self._emitted - self._inherited_now
+            if row == plan.rows:
+                raise StopIteration
+            pieces = [[epoch, int(plan.records[i]), int(plan.starts[i]), int(plan.ends[i])] for i in plan.row(row)]
+        segments = []
+        for key_epoch, record, start, end in pieces:
+            tokens, labels = self._fetch_cached((key_epoch, record))
+            segments.append(Segment(tokens, labels, start, end))
         self._emitted += 1
         self._count_row(segments)
         return self._format.build(segments)
@@ -483,22 +476,24 @@ class Pack(Node[dict[str, np.ndarray]]):
         """The epoch a whole-epoch plan packs: the indexed upstream's (it is never iterated)."""
         return self.upstream.epoch  # type: ignore[union-attr]
 
+    def _own_records(self, epoch: int) -> Iterator[tuple[int, Any]]:
+        """``(leaf index, record)`` of this consumer's epoch, read by random access."""
+        upstream: IndexedNode[Any] = self.upstream  # type: ignore[assignment]
+        return upstream._scan(0, upstream._length(epoch), epoch, skip=True)
+
     def _fetch_cached(self, key: RecordKey) -> tuple[np.ndarray, np.ndarray | None]:
         """A record's arrays; the last one is kept, as a long document's rows come in a row."""
         if self._cached is None or self._cached[0] != key:
             self._cached = (key, self._read(self.upstream.fetch(key), key))  # type: ignore[union-attr]
         return self._cached[1]
 
-    def _make_plan(self, epoch: int) -> Plan:
-        """Read every record's length (one pass of random access) and pack the epoch."""
-        upstream = self.upstream
+    def _make_plan(self, epoch: int, records: Iterator[tuple[int, Any]]) -> Plan:
+        """Learn the length of every ``(leaf index, record)`` of the epoch and pack them."""
         seq_len = self.seq_len
         counts = dict.fromkeys(DOCUMENT_COUNTERS, 0)
         kept: list[tuple[int, int, int]] = []  # (record index, full, end) of documents with tokens
-        length = upstream._length(epoch)  # type: ignore[union-attr]
-        for index, record in upstream._scan(0, length, epoch, skip=True):  # type: ignore[union-attr]
-            key = (epoch, index)
-            tokens, _ = self._read(record, key)
+        for index, record in records:
+            tokens, _ = self._read(record, (epoch, index))
             full, end = self._cut(len(tokens), counts)
             if end:
                 kept.append((index, full, end))
@@ -508,7 +503,7 @@ class Pack(Node[dict[str, np.ndarray]]):
         first = np.repeat(np.cumsum(pieces) - pieces, pieces)
         starts = (np.arange(int(pieces.sum()), dtype=np.int64) - first) * seq_len
         ends = np.minimum(starts + seq_len, np.repeat(documents[:, 2], pieces))
-        records = np.repeat(documents[:, 0], pieces)
+        indices = np.repeat(documents[:, 0], pieces)
 
         lengths = ends - starts
         packed = np.flatnonzero(lengths < seq_len)
@@ -519,12 +514,18 @@ class Pack(Node[dict[str, np.ndarray]]):
         order = np.fromiter((index for row in rows for index in row), dtype=np.int64, count=len(lengths))
         bounds = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum([len(row) for row in rows], out=bounds[1:])
-        return Plan(records, starts, ends, order, bounds, counts)
+        return Plan(indices, starts, ends, order, bounds, counts)
 
     # -- epochs and state --------------------------------------------------------------------
 
     def _on_epoch_start(self) -> None:
+        inherited = self._inherited_rows
         self._reset()
+        if len(inherited):  # a rescale across an epoch boundary handed over rows of the epoch now starting
+            self._set_inherited(inherited.of_epoch(self._plan_epoch()))
+
+    def _set_inherited(self, rows: InheritedRows) -> None:
+        self._inherited_rows, self._inherited_now = rows, rows.count(self._plan_epoch())
 
     def _config(self) -> dict[str, Any]:
         return {
@@ -542,7 +543,12 @@ class Pack(Node[dict[str, np.ndarray]]):
 
     def _progress(self) -> dict[str, Any]:
         if self._whole_epoch:
-            return {EMITTED: self._emitted, STATS: dict(self._counts)}
+            progress: dict[str, Any] = {EMITTED: self._emitted, STATS: dict(self._counts)}
+            if self._plan is not None:
+                progress[PLANNED] = self._plan.rows
+            if len(self._inherited_rows):
+                progress[INHERITED], progress[INHERITED_SIZES] = self._inherited_rows.refs, self._inherited_rows.sizes
+            return progress
         pieces = self._pieces
         groups = self._packer.groups()
         return {
@@ -613,7 +619,7 @@ class Pack(Node[dict[str, np.ndarray]]):
     def _rescale(self, olds: list[dict[str, Any]], path: str, consumer: int, num_consumers: int) -> dict[str, Any]:
         """A fresh epoch state holding this consumer's share of every old consumer's pieces."""
         if self._whole_epoch:
-            raise ConfigError(f"{path}: a whole-epoch plan (strategy='bfd' without buffer_size) cannot be rescaled")
+            return self._rescale_plan(olds, path, consumer, num_consumers)
         pieces: list[Any] = []
         for old in olds:
             self._check_config(old, path)
@@ -628,19 +634,168 @@ class Pack(Node[dict[str, np.ndarray]]):
         state.update({INHERITED: pieces[consumer::num_consumers], STATS: dict.fromkeys(COUNTERS, 0), ENDED: False})
         return state
 
+    def _rescale_plan(self, olds: list[dict[str, Any]], path: str, consumer: int, num_consumers: int) -> dict[str, Any]:
+        """A fresh epoch state holding this consumer's share of the rows the old consumers had
+        not handed out: per epoch, the rows left by old consumer 0, then 1, ..., cut into
+        contiguous blocks of whole rows. An old consumer's plan is made again only when this
+        consumer's block holds rows of it."""
+        leftovers = [_Leftover(self, old, index, len(olds), path) for index, old in enumerate(olds)]
+        first = min(require_adjacent_epochs([leftover.upstream for leftover in leftovers], EPOCH, path))
+        if any(leftover.last_epoch > first + 1 for leftover in leftovers):
+            raise StateError(
+                f"{path}: old consumers hold rows of epochs more than one apart; they come from different checkpoints"
+            )
+        refs: list[list[int]] = []
+        sizes: list[int] = []
+        for epoch in (first, first + 1):
+            counts = [leftover.count(epoch) for leftover in leftovers]
+            start, stop = share(sum(counts), consumer, num_consumers)
+            offset = 0
+            for leftover, count in zip(leftovers, counts):
+                if start < offset + count and offset < stop:
+                    rows = leftover.references(epoch, max(start - offset, 0), min(stop - offset, count))
+                    refs.extend(rows[0])
+                    sizes.extend(rows[1])
+                offset += count
+        state = self._header()
+        state.update({EMITTED: 0, STATS: dict.fromkeys(COUNTERS, 0), ENDED: False})
+        if sizes:
+            state.update({INHERITED: refs, INHERITED_SIZES: sizes})
+        return state
+
+    def _olds_for_children(self, olds: list[dict[str, Any]], path: str) -> list[dict[str, Any]]:
+        """A whole-epoch plan takes its whole stride from the upstream at once, but leaves its
+        cursor at 0: for the rescale of the indexed chain, an old consumer that handed out rows
+        of its plan has read its whole stride (those rows are dealt out here), one that has not
+        has read none of it (the new consumers plan it again)."""
+        if not self._whole_epoch:
+            return olds
+        moved = []
+        for index, old in enumerate(olds):
+            leftover = _Leftover(self, old, index, len(olds), path)
+            position = leftover.stride.length if leftover.taken else 0
+            moved.append({**old, UPSTREAM: {**leftover.upstream, POSITION: position}})
+        return moved
+
     def _restore_plan(self, state: dict[str, Any], path: str, counts: dict[str, int]) -> None:
-        """Plan the saved epoch again (one pass over its records) and skip the rows handed out."""
+        """Plan the saved epoch again (one pass over its records) if it was planned or rows of
+        it were handed out, check the inherited rows still to hand out against their records, and
+        skip the rows handed out."""
         epoch = self._plan_epoch()
         emitted = require_count(state, EMITTED, path)
-        try:
-            plan = self._make_plan(epoch)
-        except (IndexError, ResumableError) as exc:
-            raise StateError(f"{path}: cannot plan epoch {epoch} again: {exc}") from exc
-        if emitted > plan.rows:
-            raise StateError(f"{path}: state has {emitted} rows handed out, the epoch's plan has {plan.rows}")
+        inherited = self._saved_inherited(state, epoch, path)
+        now = inherited.count(epoch)
+        planned = require_count(state, PLANNED, path) if PLANNED in state else None
+        plan = None
+        if planned is not None or emitted > now:
+            try:
+                plan = self._make_plan(epoch, self._own_records(epoch))
+            except (IndexError, ResumableError) as exc:
+                raise StateError(f"{path}: cannot plan epoch {epoch} again: {exc}") from exc
+            _check_plan_rows(plan.rows, planned, emitted - now, path)
+            counts.update(plan.counts)
+        self._check_inherited(inherited, min(emitted, now), path)
         self._reset()
-        counts.update(plan.counts)
         self._emitted, self._plan, self._counts = emitted, plan, counts
+        self._set_inherited(inherited)
+
+    def _saved_inherited(self, state: dict[str, Any], epoch: int, path: str) -> InheritedRows:
+        """The inherited rows a state saved (none if it has neither entry); StateError unless
+        they are well formed rows of ``epoch`` and the next one."""
+        if INHERITED not in state and INHERITED_SIZES not in state:
+            return NO_INHERITED_ROWS
+        rows = InheritedRows.parse(
+            state.get(INHERITED), state.get(INHERITED_SIZES), path, self.seq_len, self.max_documents or self.seq_len
+        )
+        if rows.epochs and not epoch <= rows.epochs[0] <= rows.epochs[-1] <= epoch + 1:
+            epochs = short_repr(sorted(set(rows.epochs)))
+            raise StateError(f"{path}: {INHERITED} rows of epochs {epochs}, the upstream is in epoch {epoch}")
+        return rows
+
+    def _check_inherited(self, rows: InheritedRows, start: int, path: str) -> None:
+        """Check that every piece of the inherited rows from ``start`` on lies inside its record:
+        each record is fetched once, in chunks, and only its length kept."""
+        refs = rows.refs[rows.bounds[start] :]
+        keys = list(dict.fromkeys((ref[0], ref[1]) for ref in refs))
+        lengths: dict[RecordKey, int] = {}
+        try:
+            for begin in range(0, len(keys), MAX_CHUNK):
+                chunk = keys[begin : begin + MAX_CHUNK]
+                for key, record in zip(chunk, self.upstream.fetch_many(chunk)):  # type: ignore[union-attr]
+                    lengths[key] = len(self._read(record, key)[0])
+        except (IndexError, ResumableError) as exc:
+            raise StateError(f"{path}: the records of the {INHERITED} rows cannot be fetched again: {exc}") from exc
+        for ref in refs:
+            key = (ref[0], ref[1])
+            if ref[3] > lengths[key]:
+                raise StateError(
+                    f"{path}: {INHERITED} piece {ref} is outside record {_key_text(key)} of {lengths[key]} tokens "
+                    "(did the data change?)"
+                )
+
+
+class _Leftover:
+    """What one old consumer of a whole-epoch plan had not handed out, in a rescale: the rows
+    it had inherited and not handed out, and, once it had handed out rows of its plan, the rest of that
+    plan (made again from its stride only when asked for). A consumer that has handed out no
+    row of its plan has not taken its stride: the upstream's rescale leaves it to be planned
+    again."""
+
+    def __init__(self, pack: Pack, old: dict[str, Any], consumer: int, num_consumers: int, path: str) -> None:
+        pack._check_config(old, path)
+        self.upstream = require(old, UPSTREAM, dict, path)
+        cursor: IndexedNode[Any] = pack.upstream  # type: ignore[assignment]
+        self.stride = Stride.of(cursor, self.upstream, consumer, num_consumers, f"{path} > {cursor.kind}")
+        self.epoch = self.stride.epoch
+        self.emitted = require_count(old, EMITTED, path)
+        self.inherited = pack._saved_inherited(old, self.epoch, path)
+        self.now = self.inherited.count(self.epoch)
+        self.taken = self.emitted > self.now
+        self.planned = require_count(old, PLANNED, path) if PLANNED in old else None
+        self._pack, self._path = pack, path
+        self._plan: Plan | None = None
+        if self.taken and self.planned is not None:
+            _check_plan_rows(self.planned, None, self.emitted - self.now, path)
+
+    @property
+    def last_epoch(self) -> int:
+        """The latest epoch it holds rows of."""
+        return self.epoch + 1 if len(self.inherited) > self.now else self.epoch
+
+    def count(self, epoch: int) -> int:
+        """How many rows of ``epoch`` it had not handed out."""
+        if epoch == self.epoch + 1:
+            return len(self.inherited) - self.now
+        if epoch != self.epoch:
+            return 0
+        if self.taken:
+            return self._plan_rows() - (self.emitted - self.now)
+        return self.now - self.emitted
+
+    def references(self, epoch: int, start: int, stop: int) -> tuple[list[list[int]], list[int]]:
+        """Rows ``[start, stop)`` of those ``count(epoch)`` counts, as piece references."""
+        if epoch != self.epoch:
+            return self.inherited.references(self.now + start, self.now + stop)
+        if self.taken:
+            skip = self.emitted - self.now
+            return self.plan().references(epoch, skip + start, skip + stop)
+        return self.inherited.references(self.emitted + start, self.emitted + stop)
+
+    def _plan_rows(self) -> int:
+        return self.planned if self.planned is not None else self.plan().rows
+
+    def plan(self) -> Plan:
+        """Its plan, made again over its stride (one pass over the stride's records)."""
+        if self._plan is None:
+            pack, path = self._pack, self._path
+            leaves = self.stride.leaves(path)
+            try:
+                plan = pack._make_plan(self.epoch, pack.upstream._scan_leaves(leaves, skip=True))  # type: ignore[union-attr]
+            except (IndexError, ResumableError) as exc:
+                raise StateError(f"{path}: cannot plan epoch {self.epoch} of an old consumer again: {exc}") from exc
+            _check_plan_rows(plan.rows, self.planned, self.emitted - self.now, path)
+            self._plan = plan
+        return self._plan
 
 
 class _Refetcher:
@@ -691,6 +846,17 @@ class _Refetcher:
                 "(did the data change?)"
             )
         return _piece(key, start, end, tokens, labels)
+
+
+def _check_plan_rows(rows: int, planned: int | None, handed_out: int, path: str) -> None:
+    """StateError unless a plan of ``rows`` rows has the rows a state says it had (``planned``,
+    if saved) and the ``handed_out`` rows it counts as handed out."""
+    if planned is not None and planned != rows:
+        raise StateError(
+            f"{path}: state's plan has {planned} rows, planning the epoch again gives {rows} (did the data change?)"
+        )
+    if handed_out > rows:
+        raise StateError(f"{path}: state has {handed_out} rows handed out, the epoch's plan has {rows}")
 
 
 def _grouped(state: Mapping[str, Any], key: str, sizes_key: str, path: str) -> list[list[Any]]:

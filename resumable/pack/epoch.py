@@ -1,0 +1,215 @@
+"""Whole-epoch plans (``strategy="bfd"`` without ``buffer_size``) and what a rescale hands over.
+
+A plan packs every document of one consumer's epoch ahead, into numpy arrays. It is a pure
+function of the epoch and of the consumer's stride, so an elastic rescale can plan any old
+consumer's epoch again from that consumer's state alone (``Stride``). The rows the old
+consumers had not handed out are dealt out whole, as piece references, over the new
+consumers (``share``): each new consumer hands out its ``InheritedRows`` before it plans what no old
+consumer had planned.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, bisect_right
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from resumable.errors import ConfigError, StateError
+from resumable.node import EPOCH, LENGTH, IndexedNode
+from resumable.ops.map import IndexedMap
+from resumable.order.block_shuffle import BlockShuffle
+from resumable.order.elastic import MAX_POSITION, Remap
+from resumable.order.orders import Order, take
+from resumable.order.partition import shard_size, shard_to_global
+from resumable.order.shard import NEXT_REMAP, REMAP, Shard
+from resumable.order.shuffle import Shuffle
+from resumable.state import UPSTREAM, check_header, require, require_count, short_repr
+
+REF_FIELDS = 4
+"""An inherited piece is ``[epoch, record, token_start, token_end]``: the upstream is indexed, so no
+mix component names come before the key."""
+
+
+class Plan(NamedTuple):
+    """A whole epoch packed ahead, in numpy arrays (about 40 bytes per piece).
+
+    Piece ``i`` is tokens ``[starts[i], ends[i])`` of leaf record ``records[i]``; row ``r``
+    holds pieces ``order[bounds[r]:bounds[r + 1]]``.
+    """
+
+    records: np.ndarray
+    starts: np.ndarray
+    ends: np.ndarray
+    order: np.ndarray
+    bounds: np.ndarray
+    counts: dict[str, int]
+
+    @property
+    def rows(self) -> int:
+        return len(self.bounds) - 1
+
+    def row(self, index: int) -> list[int]:
+        """The pieces of row ``index``."""
+        return self.order[self.bounds[index] : self.bounds[index + 1]].tolist()  # type: ignore[no-any-return]
+
+    def references(self, epoch: int, start: int, stop: int) -> tuple[list[list[int]], list[int]]:
+        """Rows ``[start, stop)`` as piece references of ``epoch``, flat, and pieces per row."""
+        pieces = self.order[self.bounds[start] : self.bounds[stop]]
+        refs = np.stack(
+            [np.full(len(pieces), epoch, dtype=np.int64), self.records[pieces], self.starts[pieces], self.ends[pieces]],
+            axis=1,
+        )
+        return refs.tolist(), np.diff(self.bounds[start : stop + 1]).tolist()
+
+
+@dataclass(frozen=True)
+class InheritedRows:
+    """Whole rows handed over by old consumers in a rescale, kept by reference: ``refs`` holds
+    every row's pieces back to back (the lists a state saves, shared with it), ``sizes`` the
+    pieces of each row. Rows run in epoch order: those of the epoch being read come first,
+    then (after a rescale across an epoch boundary) those of the next one."""
+
+    refs: list[list[int]]
+    sizes: list[int]
+    bounds: list[int]  # offsets of each row's first piece in refs, and len(refs)
+    epochs: list[int]  # of each row
+
+    @classmethod
+    def of(cls, refs: list[list[int]], sizes: list[int]) -> InheritedRows:
+        bounds = np.zeros(len(sizes) + 1, dtype=np.int64)
+        np.cumsum(sizes, out=bounds[1:])
+        starts = bounds[:-1].tolist()
+        return cls(refs, sizes, bounds.tolist(), [refs[start][0] for start in starts])
+
+    @classmethod
+    def parse(cls, refs: Any, sizes: Any, path: str, seq_len: int, max_pieces: int) -> InheritedRows:
+        """Saved rows, checked as far as the state alone can tell: references of ints, rows
+        that fit ``seq_len`` and ``max_pieces``, each row's pieces of one epoch, rows in
+        epoch order; StateError naming ``path`` otherwise."""
+        if not isinstance(refs, list) or not isinstance(sizes, list):
+            raise StateError(
+                f"{path}: inherited rows {short_repr(refs)} cut by sizes {short_repr(sizes)}: expected two lists"
+            )
+        if any(not _is_count(size) or not 0 < size <= max_pieces for size in sizes):
+            raise StateError(f"{path}: inherited row sizes {short_repr(sizes)} must be ints in [1, {max_pieces}]")
+        if sum(sizes) != len(refs):
+            raise StateError(f"{path}: inherited row sizes count {sum(sizes)} pieces, there are {len(refs)}")
+        for ref in refs:
+            if not (isinstance(ref, list) and len(ref) == REF_FIELDS and all(map(_is_count, ref)) and ref[2] < ref[3]):
+                raise StateError(
+                    f"{path}: inherited piece {short_repr(ref)} is not [epoch, record, token_start, token_end] "
+                    "of ints >= 0 with token_start < token_end"
+                )
+        rows = cls.of(refs, sizes)
+        for row, epoch in enumerate(rows.epochs):
+            pieces = refs[rows.bounds[row] : rows.bounds[row + 1]]
+            if any(piece[0] != epoch for piece in pieces) or sum(piece[3] - piece[2] for piece in pieces) > seq_len:
+                raise StateError(
+                    f"{path}: inherited row {short_repr(pieces)} is not one epoch's row of seq_len={seq_len}"
+                )
+        if rows.epochs != sorted(rows.epochs):
+            raise StateError(f"{path}: inherited rows are not in epoch order (epochs {short_repr(rows.epochs)})")
+        return rows
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def count(self, epoch: int) -> int:
+        """How many rows belong to ``epoch``."""
+        return bisect_right(self.epochs, epoch) - bisect_left(self.epochs, epoch)
+
+    def row(self, index: int) -> list[list[int]]:
+        return self.refs[self.bounds[index] : self.bounds[index + 1]]
+
+    def references(self, start: int, stop: int) -> tuple[list[list[int]], list[int]]:
+        """Rows ``[start, stop)``: their pieces, flat, and pieces per row."""
+        return self.refs[self.bounds[start] : self.bounds[stop]], self.sizes[start:stop]
+
+    def of_epoch(self, epoch: int) -> InheritedRows:
+        """The rows of ``epoch`` alone."""
+        start = bisect_left(self.epochs, epoch)
+        return InheritedRows.of(*self.references(start, start + self.count(epoch)))
+
+
+NO_INHERITED_ROWS = InheritedRows([], [], [0], [])
+
+
+def share(total: int, consumer: int, num_consumers: int) -> tuple[int, int]:
+    """The contiguous block ``[start, stop)`` of ``total`` rows that ``consumer`` gets: blocks
+    differ in size by at most one, and whole rows stay whole."""
+    return total * consumer // num_consumers, total * (consumer + 1) // num_consumers
+
+
+class Stride(NamedTuple):
+    """The positions an old consumer's whole-epoch plan read, named from its state alone: its
+    stride of the shard (through the shard's remap of that epoch, if a rescale left one),
+    read in the order of the shuffles between the shard and the packer."""
+
+    epoch: int
+    length: int
+    consumer: int
+    num_consumers: int
+    reading_orders: list[Order]
+    remap: Remap | None
+    parent: IndexedNode[Any]  # the shard's upstream
+
+    @classmethod
+    def of(
+        cls, cursor: IndexedNode[Any], state: dict[str, Any], consumer: int, num_consumers: int, path: str
+    ) -> Stride:
+        """The stride of old consumer ``consumer`` of ``num_consumers``, whose packer's upstream
+        ``cursor`` saved ``state``; StateError if the state's cursor disagrees with it."""
+        epoch = require_count(state, EPOCH, path)
+        length = require_count(state, LENGTH, path)
+        node: IndexedNode[Any] | None = cursor
+        where = path
+        reading_orders: list[Order] = []
+        while isinstance(node, (IndexedMap, Shuffle, BlockShuffle)):
+            if not isinstance(node, IndexedMap):
+                reading_orders.append((node.kind, node._config()))
+            node = node._parent
+            state = require(state, UPSTREAM, dict, where)
+            where = f"{where} > {node.kind}"
+            check_header(state, node.kind, where)
+        if not isinstance(node, Shard):
+            found = node.kind if node is not None else "no indexed node"
+            raise ConfigError(
+                f"{path}: a whole-epoch plan rescales when only serial .map() and .shuffle() come between "
+                f".shard() and .pack(), found {found}"
+            )
+        parent: IndexedNode[Any] = node.upstream  # type: ignore[assignment]
+        remap = _remap_of(state, epoch, len(parent), where)
+        size = shard_size(remap.length if remap is not None else len(parent), consumer, num_consumers)
+        if size != length:
+            raise StateError(f"{path}: the state's cursor runs over {length} positions, its stride has {size}")
+        return cls(epoch, length, consumer, num_consumers, reading_orders, remap, parent)
+
+    def leaves(self, path: str) -> np.ndarray:
+        """The leaf indices of the stride, in the order the consumer read them."""
+        positions = np.arange(self.length, dtype=np.int64)
+        for order in self.reading_orders:
+            positions = take(order, positions, self.length, self.epoch)
+        positions = shard_to_global(positions, self.consumer, self.num_consumers)
+        if self.remap is not None:
+            try:
+                positions = self.remap.to_base(positions)
+            except IndexError as error:
+                raise StateError(f"{path}: {error}") from error
+        return self.parent._leaf_indices(positions, self.epoch)
+
+
+def _remap_of(state: dict[str, Any], epoch: int, base_length: int, path: str) -> Remap | None:
+    """The remap a shard's state holds for ``epoch``, if any."""
+    for key in (REMAP, NEXT_REMAP):
+        if key in state:
+            remap = Remap.from_json(state[key], path, base_length=base_length)
+            if remap.epoch == epoch:
+                return remap
+    return None
+
+
+def _is_count(value: Any) -> bool:
+    """An int in ``[0, MAX_POSITION]``, so references stay exact in int64 arrays."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_POSITION

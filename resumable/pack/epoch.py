@@ -16,15 +16,13 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from resumable.errors import ConfigError, StateError
+from resumable.elastic import _shard_and_orders
+from resumable.errors import StateError
 from resumable.node import EPOCH, LENGTH, IndexedNode
-from resumable.ops.map import IndexedMap
-from resumable.order.block_shuffle import BlockShuffle
 from resumable.order.elastic import MAX_POSITION, Remap
 from resumable.order.orders import Order, take
 from resumable.order.partition import shard_size, shard_to_global
-from resumable.order.shard import NEXT_REMAP, REMAP, Shard
-from resumable.order.shuffle import Shuffle
+from resumable.order.shard import NEXT_REMAP, REMAP
 from resumable.state import UPSTREAM, check_header, require, require_count, short_repr
 
 REF_FIELDS = 4
@@ -163,23 +161,14 @@ class Stride(NamedTuple):
         ``cursor`` saved ``state``; StateError if the state's cursor disagrees with it."""
         epoch = require_count(state, EPOCH, path)
         length = require_count(state, LENGTH, path)
-        node: IndexedNode[Any] | None = cursor
-        where = path
-        reading_orders: list[Order] = []
-        while isinstance(node, (IndexedMap, Shuffle, BlockShuffle)):
-            if not isinstance(node, IndexedMap):
-                reading_orders.append((node.kind, node._config()))
+        shard, reading_orders = _shard_and_orders(cursor)
+        node, where = cursor, path
+        while node is not shard:  # the shard's state, along the serial maps and shuffles above it
             node = node._parent
             state = require(state, UPSTREAM, dict, where)
             where = f"{where} > {node.kind}"
             check_header(state, node.kind, where)
-        if not isinstance(node, Shard):
-            found = node.kind if node is not None else "no indexed node"
-            raise ConfigError(
-                f"{path}: a whole-epoch plan rescales when only serial .map() and .shuffle() come between "
-                f".shard() and .pack(), found {found}"
-            )
-        parent: IndexedNode[Any] = node.upstream  # type: ignore[assignment]
+        parent = shard._parent
         remap = _remap_of(state, epoch, len(parent), where)
         size = shard_size(remap.length if remap is not None else len(parent), consumer, num_consumers)
         if size != length:

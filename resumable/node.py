@@ -178,6 +178,13 @@ class Node(Generic[T]):
         None when items cannot be traced back to one record (after batch or pack, say)."""
         return None
 
+    def _traceable(self) -> bool:
+        """Whether every item can be traced back to one record (``last_key``), known when the
+        pipeline is built: a node that passes records through, over traceable children."""
+        return type(self).last_key is not Node.last_key and all(
+            child._traceable() for child in self._children().values()
+        )
+
     def fetch(self, key: RecordKey) -> T:
         """The item with provenance ``key``, produced again by random access (no iteration)."""
         return self.fetch_many([key])[0]

@@ -19,9 +19,7 @@ by a node that is not indexed: nothing goes before a source, a shard before a ca
 and after the pair is too late), the rescale check is that ``restore`` refuses with a
 ``ConfigError`` naming the shard.
 
-A cell that neither works nor is refused at construction is a *hole*: its entry says what
-happens today and which checks fail, and those checks are strict xfails, so a fix shows up as
-an XPASS and the table (and the README's copy of it) must be updated.
+There is no third verdict: a pair that neither works nor is refused at construction is a bug.
 """
 
 from __future__ import annotations
@@ -64,20 +62,15 @@ DOWNSTREAM = UPSTREAM[2:]  # sources have no upstream
 
 @dataclass(frozen=True)
 class Cell:
-    """What a pair does. ``refused``: ``hint`` is a substring of the ConfigError raised at
-    construction. ``hole``: ``reason`` says what happens today and ``failing`` which checks fail
-    (``"construction"``, ``"resume"``, ``"rescale"``); ``hint`` is set when the pair ought to be
-    refused, empty when it ought to work."""
+    """What a pair does: ``works``, or ``refused`` with ``hint``, a substring of the ConfigError
+    raised at construction."""
 
     verdict: str
     hint: str = ""
-    reason: str = ""
-    failing: tuple[str, ...] = ()
-    raises: type[BaseException] | None = None  # hole: what the failing checks raise today
 
     @property
     def should_work(self) -> bool:
-        return self.verdict == "works" or (self.verdict == "hole" and not self.hint)
+        return self.verdict == "works"
 
 
 WORKS = Cell("works")
@@ -87,10 +80,6 @@ def refused(hint: str) -> Cell:
     return Cell("refused", hint=hint)
 
 
-def hole(reason: str, failing: tuple[str, ...], raises: type[BaseException], hint: str = "") -> Cell:
-    return Cell("hole", hint=hint, reason=reason, failing=failing, raises=raises)
-
-
 # Refusals, by the substring of their message that says what to do instead.
 BEFORE_FILTER = "place it before filter, batch and pack"  # shuffle/shard after an iterator node
 CACHE_INDEXED = "place .cache() before filter, batch and pack"
@@ -98,29 +87,9 @@ CACHE_ORDER = "place .cache() before shuffle and shard"
 BFD_WINDOWS = "give buffer_size=N to pack windows of N documents instead"
 UNTRACEABLE = "cannot trace its items back to indexed records"
 
-# Holes: pairs that today neither work nor are refused at construction.
-PACK_UNTRACEABLE = hole(
-    "pack after a node whose items have no record key (batch, pack) builds, and raises "
-    "ConfigError only at the first next()",
-    failing=("construction",),
-    raises=pytest.fail.Exception,  # pytest.raises: did not raise
-    hint=UNTRACEABLE,
-)
-SHARD_TWICE = hole(
-    "a second .shard() builds and splits each consumer's share again: with the same topology "
-    "(both from the environment) every consumer reads 1/C of its share and the rest of the "
-    "epoch is never read",
-    failing=("construction",),
-    raises=pytest.fail.Exception,
-    hint="shard",
-)
-REPEAT_TWICE = hole(
-    "repeat after repeat resumes exactly, but a rescale of consumers in different passes of the "
-    "outer repeat delivers a whole pass again: each Repeat takes the smallest of its own "
-    "epochs_done, and the inner one restarts from 0 every outer pass",
-    failing=("rescale",),
-    raises=AssertionError,  # the multiset of documents
-)
+STREAM_INDEXED = "read plain JSONL files with rs.jsonl"  # shuffle/shard/cache after a stream
+SHARD_ONCE = "keep one .shard()"
+REPEAT_ONCE = "use a single .repeat(n * m)"
 
 ITERATOR_ROW = {  # after a node that is not indexed
     "map": WORKS,
@@ -141,21 +110,22 @@ INDEXED_ROW = dict.fromkeys(DOWNSTREAM, WORKS)  # after an indexed node
 
 ROWS: dict[str, dict[str, Cell]] = {
     "source": INDEXED_ROW,
-    # The messages tell a stream to "place it before filter, batch and pack", which does not
-    # apply to a source (the README says what to do: shuffle_files=, or rs.jsonl).
-    "stream": ITERATOR_ROW,
+    "stream": {
+        **ITERATOR_ROW,
+        **dict.fromkeys(("cache", "shuffle", "block_shuffle", "shard"), refused(STREAM_INDEXED)),
+    },
     "map": INDEXED_ROW,
     "pmap": ITERATOR_ROW,
     "filter": ITERATOR_ROW,
-    "batch": {**ITERATOR_ROW, "pack": PACK_UNTRACEABLE},
+    "batch": {**ITERATOR_ROW, **dict.fromkeys(("pack", "pack_bfd"), refused(UNTRACEABLE))},
     "prefetch": ITERATOR_ROW,
     "cache": INDEXED_ROW,
     "shuffle": {**INDEXED_ROW, "cache": refused(CACHE_ORDER)},
     "block_shuffle": {**INDEXED_ROW, "cache": refused(CACHE_ORDER)},
-    "shard": {**INDEXED_ROW, "cache": refused(CACHE_ORDER), "shard": SHARD_TWICE},
-    "repeat": {**ITERATOR_ROW, "repeat": REPEAT_TWICE},
-    "pack": {**ITERATOR_ROW, "pack": PACK_UNTRACEABLE},
-    "pack_bfd": {**ITERATOR_ROW, "pack": PACK_UNTRACEABLE},
+    "shard": {**INDEXED_ROW, "cache": refused(CACHE_ORDER), "shard": refused(SHARD_ONCE)},
+    "repeat": {**ITERATOR_ROW, "repeat": refused(REPEAT_ONCE)},
+    "pack": {**ITERATOR_ROW, **dict.fromkeys(("pack", "pack_bfd"), refused(UNTRACEABLE))},
+    "pack_bfd": {**ITERATOR_ROW, **dict.fromkeys(("pack", "pack_bfd"), refused(UNTRACEABLE))},
     "mix": ITERATOR_ROW,
 }
 TABLE: dict[tuple[str, str], Cell] = {(up, down): cell for up, row in ROWS.items() for down, cell in row.items()}
@@ -401,7 +371,7 @@ def kinds(up: str) -> tuple[str, ...]:
 
 
 def params(check: str) -> Iterator[Any]:
-    """The cells a check runs on, by source kind; strict xfails where a hole fails it today."""
+    """The cells a check runs on, by source kind."""
     for (up, down), cell in TABLE.items():
         included = {
             "construction": not cell.should_work,
@@ -411,22 +381,15 @@ def params(check: str) -> Iterator[Any]:
         }[check]
         if not included:
             continue
-        marks = (
-            [pytest.mark.xfail(strict=True, raises=cell.raises, reason=cell.reason)] if check in cell.failing else []
-        )
         for kind in kinds(up):
-            yield pytest.param(up, down, kind, marks=marks, id=f"{up}->{down}-{kind}")
+            yield pytest.param(up, down, kind, id=f"{up}->{down}-{kind}")
 
 
 def test_the_table_has_every_ordered_pair() -> None:
     assert set(TABLE) == {(up, down) for up in UPSTREAM for down in DOWNSTREAM}
-    assert {cell.verdict for cell in TABLE.values()} <= {"works", "refused", "hole"}
+    assert {cell.verdict for cell in TABLE.values()} <= {"works", "refused"}
     for pair, cell in TABLE.items():
-        assert (cell.verdict == "refused") == bool(cell.hint and not cell.failing), pair
-        assert (cell.verdict == "hole") == bool(cell.reason and cell.failing), pair
-        runs = {"construction": not cell.should_work, "resume": cell.should_work}
-        runs["rescale"] = cell.should_work and partitioned(*pair)
-        assert all(runs[check] for check in cell.failing), f"{pair}: a failing check that never runs"
+        assert (cell.verdict == "refused") == bool(cell.hint), pair
 
 
 @pytest.mark.parametrize("up, down, kind", list(params("resume")))
@@ -461,12 +424,12 @@ def test_refused_at_construction(up: str, down: str, kind: str) -> None:
 
 
 README_LABELS = {"block": "block_shuffle", "bfd": "pack_bfd"}
-SYMBOLS = {"✓": "works", "✗": "refused", "⚠": "hole"}
+SYMBOLS = {"✓": "works", "✗": "refused"}
 
 
 def test_the_readme_shows_this_table() -> None:
     """README.md's "Composition" table has a cell for every pair, and its symbol (✓ works, ✗
-    refused, ⚠ hole) is this table's verdict."""
+    refused) is this table's verdict."""
     text = (Path(__file__).parent.parent / "README.md").read_text(encoding="utf-8")
     section = text.split("\n## Composition\n", 1)[1].split("\n## ", 1)[0]
     rows = [line for line in section.splitlines() if line.startswith("|")]
@@ -482,7 +445,7 @@ def test_the_readme_shows_this_table() -> None:
         for down, symbol in zip(downstream, symbols):
             shown[(README_LABELS.get(label, label), down)] = SYMBOLS.get(symbol[:1], symbol)
     assert shown == {pair: cell.verdict for pair, cell in TABLE.items()}
-    notes = {int(_digits(mark)) for mark in re.findall(r"[✗⚠]([⁰¹²³⁴⁵⁶⁷⁸⁹]+)", section)}
+    notes = {int(_digits(mark)) for mark in re.findall(r"✗([⁰¹²³⁴⁵⁶⁷⁸⁹]+)", section)}
     for number in sorted(notes):
         assert re.search(rf"^{number}\. ", section, re.MULTILINE), f"footnote {number} is missing"
 

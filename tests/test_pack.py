@@ -307,13 +307,24 @@ class Untraceable(rs.Node):
         return next(self._records)
 
 
-def test_an_untraceable_upstream_is_a_clear_error_at_the_first_document() -> None:
-    pack = Untraceable(corpus([3, 4])).pack(8)
+def test_an_untraceable_upstream_is_a_clear_error_at_construction() -> None:
     with pytest.raises(rs.ConfigError, match="needs|cannot trace"):
-        next(pack)
-    batched = rs.from_list(corpus([3, 4])).batch(2).map(lambda batch: batch[0]).pack(8)
+        Untraceable(corpus([3, 4])).pack(8)
     with pytest.raises(rs.ConfigError, match="cannot trace"):
-        next(batched)
+        rs.from_list(corpus([3, 4])).batch(2).map(lambda batch: batch[0]).pack(8)
+
+
+class KeyLess(Untraceable):
+    """A custom node that claims provenance but has none to give."""
+
+    def last_key(self) -> None:
+        return None
+
+
+def test_an_upstream_without_keys_is_a_clear_error_at_the_first_document() -> None:
+    pack = KeyLess(corpus([3, 4])).pack(8)
+    with pytest.raises(rs.ConfigError, match="cannot trace"):
+        next(pack)
 
 
 @pytest.mark.parametrize(

@@ -89,3 +89,13 @@ def epochs_dropped(build, epoch: int) -> int:
     pipe.start_epoch(epoch)
     list(pipe)
     return pipe.upstream.dropped
+
+
+def test_a_repeat_over_a_repeat_is_refused_at_construction() -> None:
+    """An inner repeat restarts its count every outer pass, so a rescale could not tell which
+    pass of each to continue: refused, through other nodes and mix components too."""
+    with pytest.raises(rs.ConfigError, match=r"use a single \.repeat\(n \* m\)"):
+        rs.from_list([1, 2]).repeat(2).filter(bool).repeat(2)
+    with pytest.raises(rs.ConfigError, match="repeat the components or the mix, not both"):
+        rs.mix({"a": rs.from_list([1]).repeat(), "b": rs.from_list([2])}).repeat(2)
+    rs.mix({"a": rs.from_list([1]).repeat(), "b": rs.from_list([2])})  # one level is fine

@@ -114,3 +114,8 @@ def test_topology_from_torch_distributed() -> None:
         assert p.exitcode == 0
     assert [(r, rank, ws) for r, rank, ws, _ in results] == [(0, 0, 2), (1, 1, 2)]
     assert sorted(x for *_, items in results for x in items) == list(range(50))
+
+
+def test_a_second_shard_is_refused_at_construction() -> None:
+    with pytest.raises(rs.ConfigError, match=r"keep one \.shard\(\)"):
+        rs.from_list(list(range(8))).shard(0, 2).map(str).shuffle(1).shard(0, 2)

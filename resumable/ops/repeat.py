@@ -30,6 +30,7 @@ class Repeat(Node[T]):
         super().__init__(upstream)
         if times is not None and (isinstance(times, bool) or not isinstance(times, int) or times <= 0):
             raise ConfigError(f"{self.kind}: times must be a positive int or None, got {times!r}")
+        _refuse_inner_repeat(upstream)
         self.times = times
         self.epochs_done = 0
         self._yielded = False
@@ -82,3 +83,18 @@ class Repeat(Node[T]):
             require(old, YIELDED, bool, path) or epochs > min(done) for old, epochs in zip(olds, done)
         )
         return state
+
+
+def _refuse_inner_repeat(upstream: Node[Any]) -> None:
+    """Raise ConfigError if ``upstream`` repeats already: the inner repeat restarts its count on
+    every outer pass, so a rescale of consumers in different outer passes could not tell which
+    pass of each to continue."""
+    pending = [upstream]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, Repeat):
+            raise ConfigError(
+                f"Repeat: its upstream {upstream!r} already repeats; use a single .repeat(n * m) "
+                "(.repeat() to run endlessly), and with a mix, repeat the components or the mix, not both"
+            )
+        pending.extend(node._children().values())

@@ -6,7 +6,7 @@ from typing import Any, Sequence, TypeVar
 
 import numpy as np
 
-from resumable.errors import StateError
+from resumable.errors import ConfigError, StateError
 from resumable.node import IndexedNode
 from resumable.order.elastic import Remap
 from resumable.order.partition import shard_size, shard_to_global
@@ -45,6 +45,14 @@ class Shard(IndexedNode[T]):
         split_workers: bool = True,
     ) -> None:
         super().__init__(upstream)
+        below: IndexedNode[Any] | None = upstream
+        while below is not None:
+            if isinstance(below, Shard):
+                raise ConfigError(
+                    f"{self.kind}: {upstream!r} is sharded already; a second .shard() would split each "
+                    "consumer's stride again and leave the rest of the epoch unread: keep one .shard()"
+                )
+            below = below.upstream
         self._consumer = Consumer(rank, world_size, split_workers, self.kind)
         self.remap: Remap | None = None
         self.next_remap: Remap | None = None

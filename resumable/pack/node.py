@@ -194,6 +194,8 @@ class Pack(Node[dict[str, np.ndarray]]):
         if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int):
             raise ConfigError(f"{kind}: pad_token_id must be an int, got {pad_token_id!r}")
 
+        if not upstream._traceable():
+            raise ConfigError(_untraceable(kind, upstream))
         self._whole_epoch = strategy == "bfd" and buffer_size is None
         if self._whole_epoch and not isinstance(upstream, IndexedNode):
             raise ConfigError(
@@ -307,11 +309,7 @@ class Pack(Node[dict[str, np.ndarray]]):
             return
         key = upstream.last_key()  # type: ignore[union-attr]
         if key is None:
-            raise ConfigError(
-                f"{self.kind}: the upstream {upstream!r} cannot trace its items back to indexed records "
-                "(last_key() is None), so the packer cannot checkpoint its buffer by reference; build "
-                "the pipeline from an indexed source with shuffle/shard/map, then filter/repeat, then pack()"
-            )
+            raise ConfigError(_untraceable(self.kind, upstream))
         tokens, labels = self._read(record, key)
         full, end = self._cut(len(tokens), self._counts)
         if not end:
@@ -881,6 +879,14 @@ def _key_text(key: RecordKey) -> str:
 
 def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _untraceable(kind: str, upstream: Any) -> str:
+    return (
+        f"{kind}: the upstream {upstream!r} cannot trace its items back to indexed records "
+        "(last_key() is None), so the packer cannot checkpoint its buffer by reference; build "
+        "the pipeline from an indexed source with shuffle/shard/map, then filter/repeat, then pack()"
+    )
 
 
 def _check_positive_int(kind: str, name: str, value: Any) -> None:

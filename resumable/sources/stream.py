@@ -207,6 +207,23 @@ class JsonlStream(Node[Any]):
 
     # -- epochs, state, shutdown ----------------------------------------------------------------
 
+    # -- what a stream cannot do, and what to do instead ------------------------------------
+
+    _NO_RANDOM_ACCESS = (
+        "rs.jsonl_stream reads its files front to back, without random access; it splits the files over "
+        "ranks and workers itself (no .shard() needed) and shuffles their order with shuffle_files=seed. "
+        "For a record-level shuffle, a cache or .shard(), read plain JSONL files with rs.jsonl"
+    )
+
+    def shuffle(self, seed: int = 0, block_size: int | str | None = None, window: int | None = None) -> Node[Any]:
+        raise ConfigError(f"{self.kind}: shuffle(): {self._NO_RANDOM_ACCESS}")
+
+    def shard(self, rank: int | None = None, world_size: int | None = None, split_workers: bool = True) -> Any:
+        raise ConfigError(f"{self.kind}: shard(): {self._NO_RANDOM_ACCESS}")
+
+    def cache(self, directory: str | None = None, max_bytes: int = 1 << 30) -> Node[Any]:
+        raise ConfigError(f"{self.kind}: cache(): {self._NO_RANDOM_ACCESS}")
+
     def _begin_epoch(self, epoch: int | None) -> None:
         self._files.check_all()
         following = self._epoch + 1

@@ -7,8 +7,9 @@
 
 from resumable import nodes
 from resumable.checkpoint import load_state, save_state
+from resumable.core.indexed import IndexedNode
+from resumable.core.node import Node
 from resumable.errors import ConfigError, ResumableError, SourceError, StateError
-from resumable.node import IndexedNode, Node
 from resumable.ops.mix import mix
 from resumable.order.topology import Topology
 from resumable.sources.arrow import arrow, from_hf

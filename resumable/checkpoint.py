@@ -21,8 +21,8 @@ import os
 import secrets
 from typing import IO, Any, Callable
 
+from resumable.core.state import check_json
 from resumable.errors import StateError
-from resumable.state import check_json
 
 TEMP_SUFFIX = ".partial"
 NEW_FILE_MODE = 0o666  # what the umask leaves of it, as for open() and torch.save

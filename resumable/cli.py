@@ -8,8 +8,8 @@ import os
 import sys
 from typing import Any, Callable, Sequence
 
+from resumable.core.node import Node
 from resumable.errors import ConfigError, ResumableError
-from resumable.node import Node
 from resumable.sources.files import expand_paths
 from resumable.sources.line_index import LineIndex
 

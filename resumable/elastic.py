@@ -27,10 +27,22 @@ rescaled on its own, the schedule starts afresh).
 from __future__ import annotations
 
 import copy
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Sequence
 
+from resumable.core.indexed import EPOCH, LENGTH, POSITION, IndexedNode
+from resumable.core.node import Node
+from resumable.core.protocols import Rescalable
+from resumable.core.state import (
+    ENDED,
+    KIND,
+    UPSTREAM,
+    check_header,
+    check_json,
+    require,
+    require_adjacent_epochs,
+    require_count,
+)
 from resumable.errors import ConfigError, StateError
-from resumable.node import EPOCH, LENGTH, POSITION, IndexedNode, Node
 from resumable.ops.map import IndexedMap
 from resumable.ops.mix import COMPONENTS
 from resumable.order.block_shuffle import BlockShuffle
@@ -41,31 +53,8 @@ from resumable.order.shard import NEXT_REMAP, REMAP, Shard
 from resumable.order.shuffle import Shuffle
 from resumable.order.topology import NUM_WORKERS, RANK, WORKER, WORLD_SIZE, Topology
 from resumable.sources.stream import JsonlStream
-from resumable.state import (
-    ENDED,
-    KIND,
-    UPSTREAM,
-    check_header,
-    check_json,
-    require,
-    require_adjacent_epochs,
-    require_count,
-)
 
 __all__ = ["Rescalable", "as_consumer", "consumer_of", "rescaled_state", "restore"]
-
-
-@runtime_checkable
-class Rescalable(Protocol):
-    """A node that holds something per consumer beyond its upstream's cursor (a packer's pieces,
-    a stream's work items, a mix's schedule, a repeat's epoch count), so a new topology cannot
-    start it as a fresh epoch. The indexed chain (cursor and shard) is rescaled here, by
-    ``_rescale_indexed``; every other node starts its part of the epoch afresh."""
-
-    def _rescale(self, olds: list[dict[str, Any]], path: str, consumer: int, num_consumers: int) -> dict[str, Any]:
-        """This node's own state entries (no children) for new consumer ``consumer`` of
-        ``num_consumers``, continuing the epoch that the old consumers' states ``olds`` were in."""
-        ...
 
 
 def as_consumer(pipeline: Node[Any], topology: Topology) -> Node[Any]:

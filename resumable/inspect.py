@@ -19,15 +19,16 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
+from resumable.core.indexed import EPOCH, LENGTH, POSITION
+from resumable.core.node import Node
+from resumable.core.state import ENDED, KIND, LOADER_FORMAT, LOADER_FORMAT_PREFIX, UPSTREAM, VERSION, check_json
 from resumable.errors import StateError
 from resumable.loader_state import LoaderState, parse_loader_state
-from resumable.node import EPOCH, LENGTH, POSITION, Node
 from resumable.ops.mix import COMPONENTS
 from resumable.order.elastic import Offset, Remap, Reorder
 from resumable.order.shard import NEXT_REMAP, REMAP
 from resumable.pack.node import INHERITED, OPEN, OPEN_SIZES, READY, READY_SIZES, Pack
 from resumable.sources.files import FILES, LEGACY_FINGERPRINT_LENGTH, MTIME_NS, NAME, SIZE
-from resumable.state import ENDED, KIND, LOADER_FORMAT, LOADER_FORMAT_PREFIX, UPSTREAM, VERSION, check_json
 
 CURSOR_KEYS = (EPOCH, POSITION, LENGTH)
 NODE_KEYS = (KIND, VERSION, UPSTREAM)  # a pipeline state holds all of them (a source, the first two)

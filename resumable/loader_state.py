@@ -18,8 +18,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from resumable.core.state import LOADER_FORMAT, LOADER_FORMAT_PREFIX, check_json, require
 from resumable.errors import StateError
-from resumable.state import LOADER_FORMAT, LOADER_FORMAT_PREFIX, check_json, require
 
 # Keys of the Loader state.
 FORMAT = LOADER_FORMAT

@@ -1,6 +1,7 @@
 """Every node's constructor, for building pipelines without the fluent methods."""
 
-from resumable.node import IndexedNode, Node
+from resumable.core.indexed import IndexedNode
+from resumable.core.node import Node
 from resumable.ops.batch import Batch
 from resumable.ops.cache import Cache
 from resumable.ops.filter import Filter

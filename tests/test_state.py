@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 import resumable as rs
-from resumable.state import STATE_VERSION
+from resumable.core.state import STATE_VERSION
 
 
 def pipeline(seed: int = 1, batch_size: int = 4) -> rs.Node:
@@ -136,7 +136,7 @@ def test_a_loader_state_given_to_a_pipeline_says_what_to_call() -> None:
 def test_node_kinds_are_declared_names_that_subclasses_keep() -> None:
     """A state names its nodes by a declared kind, not the class name: a subclass (or a class
     renamed in a refactoring) keeps loading the states of the class it derives from."""
-    from resumable.node import NODE_KINDS
+    from resumable.core.node import NODE_KINDS
     from resumable.ops.batch import Batch
 
     class LoggingBatch(Batch[Any]):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Generic, TypeVar
 
+from resumable.core.node import Node
 from resumable.errors import ConfigError, StateError
-from resumable.node import Node
 
 T = TypeVar("T")
 

@@ -34,8 +34,9 @@ from typing import Any, Callable, Sequence, TypeVar
 
 import numpy as np
 
+from resumable.core.indexed import IndexedNode
+from resumable.core.node import Node
 from resumable.errors import ConfigError, SourceError
-from resumable.node import IndexedNode, Node
 from resumable.ops import disk_cache
 
 T = TypeVar("T")

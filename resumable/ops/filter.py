@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence, TypeVar
 
+from resumable.core.keys import RecordKey
+from resumable.core.node import Node
+from resumable.core.state import require_count
 from resumable.errors import ConfigError
-from resumable.node import Node, RecordKey
-from resumable.state import require_count
 
 T = TypeVar("T")
 

@@ -6,8 +6,10 @@ from typing import Any, Callable, Sequence, TypeVar
 
 import numpy as np
 
+from resumable.core.indexed import IndexedNode
+from resumable.core.keys import RecordKey
+from resumable.core.node import Node
 from resumable.errors import ConfigError
-from resumable.node import IndexedNode, Node, RecordKey
 
 T = TypeVar("T")
 U = TypeVar("U")

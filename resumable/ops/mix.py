@@ -60,10 +60,9 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping, Sequence, TypeVar
 
-from resumable.errors import ConfigError, StateError
-from resumable.node import Node, RecordKey
-from resumable.order.lcg import _splitmix64
-from resumable.state import (
+from resumable.core.keys import RecordKey
+from resumable.core.node import Node
+from resumable.core.state import (
     ENDED,
     check_config,
     require,
@@ -71,6 +70,8 @@ from resumable.state import (
     require_count,
     short_repr,
 )
+from resumable.errors import ConfigError, StateError
+from resumable.order.lcg import _splitmix64
 
 T = TypeVar("T")
 

@@ -17,8 +17,9 @@ from collections import deque
 from concurrent.futures import BrokenExecutor, Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any, Callable, Sequence, TypeVar
 
+from resumable.core.keys import RecordKey
+from resumable.core.node import Node
 from resumable.errors import ConfigError, ResumableError
-from resumable.node import Node, RecordKey
 from resumable.ops.prefetch import check_positive_int
 from resumable.ops.read_ahead import ReadAhead
 

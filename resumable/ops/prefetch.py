@@ -13,8 +13,9 @@ import threading
 import weakref
 from typing import Any, Sequence, TypeVar
 
+from resumable.core.keys import RecordKey
+from resumable.core.node import Node
 from resumable.errors import ConfigError
-from resumable.node import Node, RecordKey
 from resumable.ops.read_ahead import ReadAhead
 
 T = TypeVar("T")

@@ -13,7 +13,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any, ContextManager, TypeVar
 
-from resumable.node import Node, RecordKey
+from resumable.core.keys import RecordKey
+from resumable.core.node import Node
 
 T = TypeVar("T")
 

@@ -27,8 +27,8 @@ from typing import Any, TypeVar, cast
 
 import numpy as np
 
+from resumable.core.indexed import IndexedNode
 from resumable.errors import ConfigError
-from resumable.node import IndexedNode
 from resumable.order.lcg import Permutation, _splitmix64
 
 T = TypeVar("T")

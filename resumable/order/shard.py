@@ -6,12 +6,12 @@ from typing import Any, Sequence, TypeVar
 
 import numpy as np
 
+from resumable.core.indexed import IndexedNode
+from resumable.core.state import check_header, require
 from resumable.errors import ConfigError, StateError
-from resumable.node import IndexedNode
 from resumable.order.elastic import Remap
 from resumable.order.partition import shard_size, shard_to_global
 from resumable.order.topology import Consumer, Topology
-from resumable.state import check_header, require
 
 T = TypeVar("T")
 

@@ -6,8 +6,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from resumable.core.indexed import IndexedNode
 from resumable.errors import ConfigError
-from resumable.node import IndexedNode
 from resumable.order.lcg import Permutation
 
 T = TypeVar("T")

@@ -16,14 +16,14 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from resumable.core.indexed import EPOCH, LENGTH, IndexedNode
+from resumable.core.state import UPSTREAM, check_header, require, require_count, short_repr
 from resumable.elastic import _shard_and_orders
 from resumable.errors import StateError
-from resumable.node import EPOCH, LENGTH, IndexedNode
 from resumable.order.elastic import MAX_POSITION, Remap
 from resumable.order.orders import Order, take
 from resumable.order.partition import shard_size, shard_to_global
 from resumable.order.shard import NEXT_REMAP, REMAP
-from resumable.state import UPSTREAM, check_header, require, require_count, short_repr
 
 REF_FIELDS = 4
 """An inherited piece is ``[epoch, record, token_start, token_end]``: the upstream is indexed, so no

@@ -17,13 +17,15 @@ from typing import Any, Iterator, Mapping, NamedTuple
 
 import numpy as np
 
+from resumable.core.indexed import EPOCH, MAX_CHUNK, POSITION, IndexedNode
+from resumable.core.keys import RecordKey
+from resumable.core.node import Node
+from resumable.core.state import ENDED, UPSTREAM, require, require_adjacent_epochs, require_count, short_repr
 from resumable.errors import ConfigError, ResumableError, SourceError, StateError
-from resumable.node import EPOCH, MAX_CHUNK, POSITION, IndexedNode, Node, RecordKey
 from resumable.ops.mix import Mix
 from resumable.pack.epoch import NO_INHERITED_ROWS, InheritedRows, Plan, Stride, share
 from resumable.pack.rows import RowFormat, Segment, collate_rows, cu_seqlens_length
 from resumable.pack.strategies import STRATEGIES, NextFit, Packer, Row, best_fit_decreasing, make_packer
-from resumable.state import ENDED, UPSTREAM, require, require_adjacent_epochs, require_count, short_repr
 
 DEFAULT_BUFFER_SIZE = 1000
 OVERLONG_POLICIES = ("split", "truncate", "drop")

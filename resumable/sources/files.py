@@ -19,8 +19,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import pyarrow as pa
 
+from resumable.core.state import short_repr
 from resumable.errors import SourceError, StateError
-from resumable.state import short_repr
 
 PathLike = Union[str, "os.PathLike[str]"]
 Paths = Union[PathLike, Sequence[PathLike]]

@@ -6,9 +6,9 @@ from typing import Any, Callable, Sequence, TypeVar
 
 import numpy as np
 
-from resumable.node import IndexedNode
+from resumable.core.indexed import IndexedNode
+from resumable.core.state import require
 from resumable.sources.files import FILES, WatchedFiles
-from resumable.state import require
 
 T = TypeVar("T")
 

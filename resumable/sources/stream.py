@@ -18,8 +18,17 @@ from typing import IO, Any, Sequence
 import numpy as np
 import orjson
 
+from resumable.core.keys import RecordKey, leaf_key
+from resumable.core.node import Node
+from resumable.core.state import (
+    ENDED,
+    check_config,
+    require,
+    require_adjacent_epochs,
+    require_count,
+    short_repr,
+)
 from resumable.errors import ConfigError, SourceError, StateError
-from resumable.node import Node, RecordKey, leaf_key
 from resumable.order.lcg import Permutation
 from resumable.order.topology import TOPOLOGY_KEYS, Consumer, Topology
 from resumable.sources.files import (
@@ -30,14 +39,6 @@ from resumable.sources.files import (
     expand_paths,
     read_error,
     reading,
-)
-from resumable.state import (
-    ENDED,
-    check_config,
-    require,
-    require_adjacent_epochs,
-    require_count,
-    short_repr,
 )
 
 logger = logging.getLogger("resumable")

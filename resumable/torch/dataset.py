@@ -8,9 +8,9 @@ from typing import Any, Callable, Union
 
 from torch.utils.data import IterableDataset, get_worker_info
 
+from resumable.core.node import Node
 from resumable.errors import ConfigError, StateError
 from resumable.loader_state import PASS_EPOCH, PIPELINE
-from resumable.node import Node
 from resumable.order.topology import distributed_rank, inherit_rank
 
 PipelineOrFactory = Union[Node[Any], Callable[[], Node[Any]]]

@@ -15,10 +15,10 @@ import copy
 import json
 from typing import Any, Callable, Sequence
 
+from resumable.core.node import Node
 from resumable.elastic import as_consumer, rescaled_state
 from resumable.errors import StateError
 from resumable.loader_state import LoaderState
-from resumable.node import Node
 from resumable.order.topology import Topology
 
 

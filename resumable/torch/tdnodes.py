@@ -16,9 +16,9 @@ from typing import Any, Optional, TypeVar
 
 from torchdata.nodes import BaseNode
 
+from resumable.core.node import Node
+from resumable.core.state import JSON_SCALARS, KIND, STATE_VERSION, VERSION, check_header, require, require_count
 from resumable.errors import ConfigError, StateError
-from resumable.node import Node
-from resumable.state import JSON_SCALARS, KIND, STATE_VERSION, VERSION, check_header, require, require_count
 
 T = TypeVar("T")
 

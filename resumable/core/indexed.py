@@ -1,0 +1,330 @@
+"""``IndexedNode``: random access, and the cursor engine that iterates it.
+
+An indexed node's record at position ``i`` of epoch ``e`` is a pure function of ``(i, e)``
+(sources, shuffle, shard, map over those). Random access is stateless; the only counters are
+the cursor ``(epoch, position)`` of the outermost indexed node being iterated, so resuming is
+arithmetic, never a replay. The cursor reads raw records in chunks and hands them out through
+C-level iterators (decode, then the serial maps).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TypeVar
+
+import numpy as np
+
+from resumable.core.keys import RecordKey, leaf_key
+from resumable.core.node import Node
+from resumable.core.state import require_count
+from resumable.errors import ConfigError, StateError
+
+if TYPE_CHECKING:
+    from resumable.order.shard import Shard
+    from resumable.sources.source import Source
+
+T = TypeVar("T")
+U = TypeVar("U")
+
+# Cursor state entries.
+EPOCH = "epoch"
+POSITION = "position"
+LENGTH = "length"
+
+# The cursor reads records in chunks that start small (a fast first record after a resume)
+# and double up to a size that amortises per-chunk work.
+MIN_CHUNK = 16
+MAX_CHUNK = 4096
+
+
+class IndexedNode(Node[T]):
+    """A node with stateless random access; iterating it runs a cursor ``(epoch, position)``."""
+
+    upstream: IndexedNode[Any] | None
+    _upstream_progress = False
+    _chunk: Sequence[Any]
+    _chunk_leaves: np.ndarray | None  # leaf indices of the chunk, for last_key()
+    _chunk_start: int
+
+    def __init__(self, upstream: IndexedNode[Any] | None = None) -> None:
+        if upstream is not None and not isinstance(upstream, IndexedNode):
+            raise ConfigError(
+                f"{type(self).__name__} needs random access, but {upstream.kind} is not indexed; "
+                "place it before filter, batch and pack"
+            )
+        super().__init__(upstream)
+        self._epoch = 0
+        self._reset_cursor(0)
+        self._decode: Callable[[Any], Any] | None = None
+        self._fns: tuple[Callable[[Any], Any], ...] = ()
+        self._chain_ready = False
+
+    # -- random access, overridden by subclasses ---------------------------------------------
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def _length(self, epoch: int) -> int:
+        """Positions in ``epoch``: ``len(self)``, unless a rescale left a shard of another size."""
+        return len(self)
+
+    def _pass_cursor(self, epoch: int, position: int) -> None:
+        """Hook: the cursor's position as a state is taken, for nodes whose positions it also
+        is (a shard under serial maps compacts its remap with it)."""
+
+    def _check_cursor(self, epoch: int, position: int, path: str) -> None:
+        """Tell the indexed chain below a restored cursor where it stands, so that a node whose
+        state depends on it (a shard's compacted remap) rejects a state that cannot serve it."""
+        if self.upstream is not None:
+            self.upstream._check_cursor(epoch, position, path)
+
+    def _enter_epoch(self, epoch: int) -> None:
+        """Tell the indexed chain below the cursor which epoch is being read (a shard drops
+        the remap of an earlier epoch)."""
+        if self.upstream is not None:
+            self.upstream._enter_epoch(epoch)
+
+    @property
+    def _parent(self) -> IndexedNode[Any]:
+        """The upstream of a node that transforms one (every indexed node but a source)."""
+        if self.upstream is None:
+            raise ConfigError(f"{self.kind} has no upstream")
+        return self.upstream
+
+    @property
+    def leaf(self) -> Source[Any]:
+        """The source at the bottom of this indexed chain."""
+        if self.upstream is None:
+            raise NotImplementedError
+        return self.upstream.leaf
+
+    def _leaf_indices(self, positions: np.ndarray, epoch: int) -> np.ndarray:
+        """Map this node's positions in ``epoch`` to record indices of the leaf source."""
+        if self.upstream is None:
+            raise NotImplementedError
+        return self.upstream._leaf_indices(positions, epoch)
+
+    def _raw_chunk(self, start: int, count: int, epoch: int) -> Sequence[Any]:
+        """Undecoded records for positions ``[start, start + count)``; at least one, at most count."""
+        positions = np.arange(start, start + count, dtype=np.int64)
+        return self.leaf._raw_at(self._leaf_indices(positions, epoch))
+
+    def _record_fns(self) -> tuple[Callable[[Any], Any], ...]:
+        """Per-record functions (maps) applied after decoding, from the leaf up to here."""
+        if self.upstream is None:
+            return ()
+        return self.upstream._record_fns()
+
+    def __getitem__(self, position: int) -> T:
+        """The record at ``position`` of the current epoch, by random access."""
+        return self.record_at(self._epoch, position)
+
+    def record_at(self, epoch: int, position: int) -> T:
+        """The record at ``position`` of ``epoch``, by random access."""
+        length = self._length(epoch)
+        if not isinstance(position, (int, np.integer)) or not 0 <= position < length:
+            raise IndexError(f"{self.kind}: position {position!r} out of range [0, {length})")
+        return self._record_of(int(self._leaf_indices(np.array([position], dtype=np.int64), epoch)[0]))
+
+    def fetch_many(self, keys: Sequence[RecordKey]) -> list[T]:
+        size = len(self.leaf)
+        indices = [leaf_key(key, self.kind)[1] for key in keys]
+        for index in indices:
+            if not 0 <= index < size:
+                raise IndexError(f"{self.kind}: record index {index!r} out of range [0, {size})")
+        return [self._record_of(index) for index in indices]
+
+    def _record_of(self, index: int) -> T:
+        """Leaf record ``index`` through this chain's decoder and maps."""
+        self._prepare_chain()
+        leaf = self.leaf
+        raw = leaf._raw_at(np.array([index], dtype=np.int64))[0]
+        record = raw
+        if self._decode is not None:
+            try:
+                record = self._decode(raw)
+            except Exception as error:  # noqa: BLE001 - the source raises its own error
+                leaf._decode_failed(raw, index, error, may_skip=False)
+        for fn in self._fns:
+            record = fn(record)
+        return record  # type: ignore[no-any-return]
+
+    def _scan(self, start: int, stop: int, epoch: int, skip: bool) -> Iterator[tuple[int, T]]:
+        """``(leaf index, record)`` for positions ``[start, stop)`` of ``epoch``, read in chunks
+        by random access (the cursor does not move). A record the decoder rejects raises the
+        source's error, or with ``skip`` is left out when the source skips malformed records
+        (``on_error="skip"``, counted by the source), as iteration would."""
+        position = start
+        while position < stop:
+            raws = self._raw_chunk(position, min(MAX_CHUNK, stop - position), epoch)
+            leaves = self._leaf_indices(np.arange(position, position + len(raws), dtype=np.int64), epoch)
+            position += len(raws)
+            yield from self._decoded(raws, leaves, skip)
+
+    def _scan_leaves(self, leaves: np.ndarray, skip: bool) -> Iterator[tuple[int, T]]:
+        """``(leaf index, record)`` for leaf records ``leaves`` (int64), in that order, read as
+        ``_scan`` reads positions: for positions another consumer read (an elastic rescale)."""
+        for start in range(0, len(leaves), MAX_CHUNK):
+            chunk = leaves[start : start + MAX_CHUNK]
+            yield from self._decoded(self.leaf._raw_at(chunk), chunk, skip)
+
+    def _decoded(self, raws: Sequence[Any], leaves: np.ndarray, skip: bool) -> Iterator[tuple[int, T]]:
+        """Raw records of leaf indices ``leaves`` through this chain's decoder and maps."""
+        self._prepare_chain()
+        decode, fns = self._decode, self._fns
+        for raw, leaf in zip(raws, leaves.tolist()):
+            record = raw
+            if decode is not None:
+                try:
+                    record = decode(raw)
+                except Exception as error:  # noqa: BLE001 - the source raises its own error
+                    self.leaf._decode_failed(raw, leaf, error, may_skip=skip)
+                    continue
+            for fn in fns:
+                record = fn(record)
+            yield leaf, record
+
+    def last_key(self) -> RecordKey | None:
+        last = self.position - 1
+        if last < 0:
+            return None
+        offset = last - self._chunk_start
+        if offset < 0:  # restored at a chunk boundary: the record came before this chunk
+            return (self._epoch, int(self._leaf_indices(np.array([last], dtype=np.int64), self._epoch)[0]))
+        if self._chunk_leaves is None:
+            positions = np.arange(self._chunk_start, self._chunk_start + len(self._chunk), dtype=np.int64)
+            self._chunk_leaves = self._leaf_indices(positions, self._epoch)
+        return (self._epoch, int(self._chunk_leaves[offset]))
+
+    # -- fluent methods that keep random access ----------------------------------------------
+
+    def map(self, fn: Callable[[T], U], num_workers: int = 0, mode: str = "thread") -> Node[U]:
+        """Apply ``fn`` to every record. Serial maps keep random access (``fn`` must be pure);
+        with ``num_workers`` the map runs in a pool and the result is an iterator node."""
+        if num_workers:
+            return super().map(fn, num_workers=num_workers, mode=mode)
+        from resumable.ops.map import IndexedMap
+
+        return IndexedMap(self, fn)
+
+    def shuffle(self, seed: int = 0, block_size: int | str | None = None, window: int | None = None) -> Node[T]:
+        """Global shuffle: an O(1)-memory keyed permutation, new every epoch. With
+        ``block_size`` (records, or ``"row_group"``), a locality-aware block shuffle: blocks
+        of consecutive records are permuted, then records within a window of blocks."""
+        if block_size is None and window is None:
+            from resumable.order.shuffle import Shuffle
+
+            return Shuffle(self, seed)
+        from resumable.order.block_shuffle import BlockShuffle
+
+        return BlockShuffle(self, seed, block_size=block_size, window=window)
+
+    def shard(
+        self, rank: int | None = None, world_size: int | None = None, split_workers: bool = True
+    ) -> Shard[T]:
+        """Keep this consumer's stride of positions (rank, and DataLoader worker if any)."""
+        from resumable.order.shard import Shard
+
+        return Shard(self, rank, world_size, split_workers=split_workers)
+
+    # -- the cursor -------------------------------------------------------------------------
+    # A chunk of raw records is consumed through C-level iterators, map(fn, map(decode,
+    # iter(chunk))), so handing out a record costs one call from __next__; the position is
+    # derived from how many raw records the chunk's list iterator has left.
+
+    def _reset_cursor(self, position: int) -> None:
+        self._chunk = ()
+        self._chunk_leaves = None
+        self._chunk_start = position
+        self._chunk_size = MIN_CHUNK
+        self._pending: Iterator[Any] = iter(())
+        self._next_record: Callable[[], Any] = self._pending.__next__
+
+    def _prepare_chain(self) -> None:
+        if not self._chain_ready:
+            self._decode = self.leaf._decoder()
+            self._fns = self._record_fns()
+            self._chain_ready = True
+
+    def __next__(self) -> T:
+        while True:
+            try:
+                return self._next_record()  # type: ignore[no-any-return]
+            except StopIteration:
+                self._load_next_chunk()
+            except Exception as error:  # noqa: BLE001 - sorted out off the hot path
+                self._skip_or_raise(error)
+
+    def _load_next_chunk(self) -> None:
+        """Read the next chunk of raw records; StopIteration at the end of the epoch."""
+        start = self._chunk_start + len(self._chunk)
+        total = self._length(self._epoch)
+        self._chunk_leaves = None
+        if start >= total:
+            self._chunk, self._chunk_start = (), total
+            self._ended = True
+            raise StopIteration
+        self._prepare_chain()
+        chunk = self._raw_chunk(start, min(self._chunk_size, total - start), self._epoch)
+        self._chunk, self._chunk_start = chunk, start
+        self._chunk_size = min(self._chunk_size * 2, MAX_CHUNK)
+        self._pending = iter(chunk)
+        records: Iterator[Any] = self._pending
+        if self._decode is not None:
+            records = map(self._decode, records)
+        for fn in self._fns:
+            records = map(fn, records)
+        self._next_record = records.__next__
+
+    def _skip_or_raise(self, error: Exception) -> None:
+        """A record failed: a decode error goes to the source (raise, or return to skip it); an
+        error raised by a map function reaches the consumer as it is. Either way the record is
+        consumed."""
+        position = self.position - 1
+        raw = self._chunk[position - self._chunk_start]
+        if self._decode is None:
+            raise error
+        try:
+            self._decode(raw)
+        except Exception as decode_error:  # noqa: BLE001 - the source raises its own error
+            self._reject(raw, position, self._epoch, decode_error, may_skip=True)
+            return
+        raise error
+
+    def _reject(self, raw: Any, position: int, epoch: int, error: Exception, may_skip: bool) -> None:
+        leaf_index = int(self._leaf_indices(np.array([position], dtype=np.int64), epoch)[0])
+        self.leaf._decode_failed(raw, leaf_index, error, may_skip)
+
+    @property
+    def position(self) -> int:
+        """Records of the current epoch handed out so far (skipped ones included)."""
+        return self._chunk_start + len(self._chunk) - operator.length_hint(self._pending)
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def _begin_epoch(self, epoch: int | None) -> None:
+        # Indexed upstreams are read by random access: only this cursor moves.
+        self._epoch = self._epoch + 1 if epoch is None else epoch
+        self._enter_epoch(self._epoch)
+        self._reset_cursor(0)
+        self._ended = False
+
+    def _progress(self) -> dict[str, Any]:
+        position = self.position
+        self._pass_cursor(self._epoch, position)
+        return {EPOCH: self._epoch, POSITION: position, LENGTH: self._length(self._epoch)}
+
+    def _restore(self, state: dict[str, Any], path: str) -> None:
+        epoch = require_count(state, EPOCH, path)
+        self._enter_epoch(epoch)
+        length = require_count(state, LENGTH, path)
+        if length != self._length(epoch):
+            raise StateError(
+                f"{path}: state was saved over {length} records, this pipeline has {self._length(epoch)}"
+            )
+        position = require_count(state, POSITION, path, upper=length)
+        self._check_cursor(epoch, position, path)
+        self._epoch = epoch
+        self._reset_cursor(position)

@@ -1,0 +1,365 @@
+"""The ``Node`` base class: the iteration protocol, state assembly and the fluent methods.
+
+A node is an iterator with ``get_state()`` / ``set_state()``. Filter, batch and repeat are plain
+nodes: they pull from their upstream and keep only small counters. A node's state is its header
+(kind, format version, options, identity), its progress, and its children's states nested where
+``_children`` places them; the base class assembles and loads all of it, so a subclass declares
+only its own options and counters. Nodes with random access derive from
+``resumable.core.indexed.IndexedNode``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Generic, Sequence, TypeVar
+
+from resumable.core.keys import RecordKey
+from resumable.core.state import (
+    ENDED,
+    KIND,
+    STATE_VERSION,
+    UPSTREAM,
+    VERSION,
+    check_config,
+    check_header,
+    check_json,
+    child_path,
+    nested,
+    put_nested,
+    require,
+)
+from resumable.errors import ConfigError, StateError
+
+if TYPE_CHECKING:
+    from resumable.ops.batch import Batch
+    from resumable.ops.filter import Filter
+    from resumable.ops.repeat import Repeat
+    from resumable.order.shard import Shard
+    from resumable.pack.node import Pack
+
+T = TypeVar("T")
+U = TypeVar("U")
+
+NODE_KINDS: dict[str, type[Node[Any]]] = {}
+"""Node classes by the ``kind`` they declare: one class per name."""
+
+
+class Node(Generic[T]):
+    """An iterator over one epoch of items whose position can be saved and restored."""
+
+    kind: ClassVar[str] = "Node"
+    """The node's name in its states. Each node class declares it (``kind = "Batch"``) and a
+    subclass inherits it, so renaming or subclassing a class keeps checkpoints loadable; a
+    class that declares none and derives from no declaring class is named after itself."""
+    # Whether the upstream's state includes its counters. An indexed node reads its upstream
+    # by random access, so only the upstream's configuration matters.
+    _upstream_progress: ClassVar[bool] = True
+    # Options that may change on an elastic resume (a rescale), though not on a plain restore.
+    _elastic_options: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "kind" in cls.__dict__:
+            registered = NODE_KINDS.setdefault(cls.kind, cls)
+            if registered is not cls:
+                raise TypeError(
+                    f"{cls.__qualname__}: kind {cls.kind!r} is already the name of {registered.__qualname__}"
+                )
+        elif cls.kind not in NODE_KINDS:
+            cls.kind = cls.__name__
+
+    def __init__(self, upstream: Node[Any] | None = None) -> None:
+        if upstream is not None and not isinstance(upstream, Node):
+            raise ConfigError(
+                f"{type(self).__name__}: upstream must be a resumable node, got {type(upstream).__name__}"
+            )
+        self.upstream = upstream
+        self._ended = False
+
+    @property
+    def _parent(self) -> Node[Any]:
+        """The upstream of a node that always has one (every node but a source or a mix)."""
+        if self.upstream is None:
+            raise ConfigError(f"{self.kind} has no upstream")
+        return self.upstream
+
+    # -- iteration --------------------------------------------------------------------------
+
+    def __iter__(self) -> Node[T]:
+        """Return self; a node whose epoch has ended starts the next one (like a DataLoader)."""
+        if self._ended:
+            self.next_epoch()
+        return self
+
+    def __next__(self) -> T:
+        try:
+            return self._next()
+        except StopIteration:
+            self._ended = True
+            raise
+
+    def _next(self) -> T:
+        raise NotImplementedError
+
+    @property
+    def ended(self) -> bool:
+        """Whether this node has signalled the end of its current epoch (StopIteration)."""
+        return self._ended
+
+    def next_epoch(self) -> None:
+        """Start the next epoch: a full new pass, in a new shuffle order."""
+        self._begin_epoch(None)
+
+    def start_epoch(self, epoch: int) -> None:
+        """Start epoch ``epoch`` from its beginning (what a fresh DataLoader worker does)."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ConfigError(f"{self.kind}: epoch must be a non-negative int, got {epoch!r}")
+        self._begin_epoch(epoch)
+
+    def _begin_epoch(self, epoch: int | None) -> None:
+        """Reset this node and its upstream to the start of ``epoch`` (None: the next one)."""
+        if self.upstream is not None:
+            self.upstream._begin_epoch(epoch)
+        self._ended = False
+        self._on_epoch_start()
+
+    def _on_epoch_start(self) -> None:
+        """Hook: clear per-epoch counters and buffers."""
+
+    # -- shutdown ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop every background thread and worker pool in this pipeline (prefetch, parallel
+        map). They also stop when garbage-collected; this makes it deterministic, e.g. when a
+        training loop ends early. Iterating afterwards continues after the last item handed out."""
+        self._shutdown()
+        for child in self._children().values():
+            child.close()
+
+    def _shutdown(self) -> None:
+        """Hook: stop this node's own threads or pools."""
+
+    def __enter__(self) -> Node[T]:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- provenance: lets buffering nodes store references instead of contents ----------------
+
+    def last_key(self) -> RecordKey | None:
+        """``(epoch, leaf index)`` of the indexed record behind the last item handed out, or
+        None when items cannot be traced back to one record (after batch or pack, say)."""
+        return None
+
+    def _traceable(self) -> bool:
+        """Whether every item can be traced back to one record (``last_key``), known when the
+        pipeline is built: a node that passes records through, over traceable children."""
+        return type(self).last_key is not Node.last_key and all(
+            child._traceable() for child in self._children().values()
+        )
+
+    def fetch(self, key: RecordKey) -> T:
+        """The item with provenance ``key``, produced again by random access (no iteration)."""
+        return self.fetch_many([key])[0]
+
+    def fetch_many(self, keys: Sequence[RecordKey]) -> list[T]:
+        """The items with provenance ``keys``, in that order: what a restoring buffer (a
+        packer) asks for in one call, so a source that reads sequentially (a gzip stream) reads
+        each file once, in offset order, instead of once per key."""
+        raise ConfigError(f"{self.kind}: items cannot be fetched again by key")
+
+    # -- state ------------------------------------------------------------------------------
+
+    def _config(self) -> dict[str, Any]:
+        """Options that shape the data stream; a state saved with other values is rejected."""
+        return {}
+
+    def _identity(self) -> dict[str, Any]:
+        """What the node reads (file fingerprints), checked by ``_check_identity`` with its own
+        message; saved with every state, rescaled ones included."""
+        return {}
+
+    def _check_identity(self, state: dict[str, Any], path: str) -> None:
+        """Reject a state saved over other data (other files, changed files)."""
+
+    def _header(self) -> dict[str, Any]:
+        """The entries every state of this node starts with: kind, format version,
+        configuration and identity."""
+        return {KIND: self.kind, VERSION: STATE_VERSION, **self._config(), **self._identity()}
+
+    def _progress(self) -> dict[str, Any]:
+        """Counters that change during iteration."""
+        return {}
+
+    def _restore(self, state: dict[str, Any], path: str) -> None:
+        """Validate and load this node's counters from ``state`` (upstream already loaded)."""
+
+    def get_state(self) -> dict[str, Any]:
+        """The position after the last item handed out, as a small JSON-serialisable dict."""
+        return self._state(progress=True)
+
+    def _state(self, progress: bool) -> dict[str, Any]:
+        """Header, then progress (unless only the configuration is asked for), then each
+        child's state where ``_children`` places it."""
+        state = self._header()
+        if progress:
+            state.update(self._progress())
+            state[ENDED] = self._ended
+        for where, child in self._children().items():
+            put_nested(state, where, self._child_state(child, progress))
+        return state
+
+    def _child_state(self, child: Node[Any], progress: bool) -> dict[str, Any]:
+        """A child's state as saved in this node's: with its progress unless this node's own
+        progress determines it (``_upstream_progress``); a read-ahead node substitutes the
+        state it recorded as of the last item handed out."""
+        return child._state(progress=progress and self._upstream_progress)
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Continue exactly after the item at which ``state`` was taken.
+
+        Raises ``StateError`` naming the node's path if the state belongs to another pipeline,
+        version or data. Whatever fails, the node is left as it was.
+        """
+        check_json(state, self.kind)
+        previous = self.get_state()
+        try:
+            self._load(state, self.kind)
+        except Exception:
+            self._load(previous, self.kind)
+            raise
+
+    def _load(self, state: Any, path: str, progress: bool = True) -> None:
+        """Check the header and configuration, load the children, then this node's progress."""
+        check_header(state, self.kind, path)
+        self._check_config(state, path)
+        children = self._children()
+        for group in {where[:-1] for where in children if len(where) > 1}:
+            saved, expected = nested(state, group, path), {w[-1] for w in children if w[:-1] == group}
+            if set(saved) != expected:
+                name = "/".join(group)
+                raise StateError(f"{path}: state holds {name} {sorted(saved)!r}, this node has {sorted(expected)!r}")
+        for where, child in children.items():
+            child._load(nested(state, where, path), child_path(path, where, child.kind), self._upstream_progress)
+        if progress:
+            self._restore(state, path)
+            self._ended = require(state, ENDED, bool, path)
+
+    def _check_config(self, state: dict[str, Any], path: str) -> None:
+        """Reject a state saved with other options or over other data."""
+        check_config(state, self._config(), path)
+        self._check_identity(state, path)
+
+    def _fresh_rescaled(self, olds: list[dict[str, Any]], path: str) -> dict[str, Any]:
+        """This node's own state entries (no upstream) on a new consumer, for a node that holds
+        nothing per consumer (``resumable.core.protocols.Rescalable`` nodes do): the same options (but
+        ``_elastic_options``), the same data, counters of a fresh epoch."""
+        config = {key: value for key, value in self._config().items() if key not in self._elastic_options}
+        for old in olds:
+            check_config(old, config, path)
+            self._check_identity(old, path)
+        return {**self._header(), **self._progress(), ENDED: False}
+
+    def _children(self) -> dict[tuple[str, ...], Node[Any]]:
+        """The nodes this one reads from, by where their states nest in its state: its
+        upstream under ``("upstream",)``, a mix's components under ``("components", name)``."""
+        return {} if self.upstream is None else {(UPSTREAM,): self.upstream}
+
+    def _olds_for_children(self, olds: list[dict[str, Any]], path: str) -> list[dict[str, Any]]:
+        """The old consumers' states as the elastic rescale of this node's children reads them:
+        ``olds`` themselves, unless this node has taken more of its upstream's epoch than the
+        upstream's cursor shows (a whole-epoch plan takes its whole stride at once)."""
+        return olds
+
+    def _adopt_elastic_options(self, state: Any, path: str) -> None:
+        """Take the values of ``_elastic_options`` saved in ``state``, down the chain, so an old
+        consumer's batches can be replayed with the options it ran with (``rs.torch.Loader``)."""
+        if not isinstance(state, dict):
+            return
+        for key in self._elastic_options:
+            if key in state:
+                self._set_elastic_option(key, state[key], path)
+        if self.upstream is not None:
+            self.upstream._adopt_elastic_options(state.get(UPSTREAM), f"{path} > {self.upstream.kind}")
+
+    def _set_elastic_option(self, key: str, value: Any, path: str) -> None:
+        """Set option ``key`` (one of ``_elastic_options``) to a saved ``value``; StateError if invalid."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        """Alias of ``get_state`` (``torch.distributed.checkpoint.Stateful`` protocol)."""
+        return self.get_state()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Alias of ``set_state`` (``torch.distributed.checkpoint.Stateful`` protocol)."""
+        self.set_state(state_dict)
+
+    # -- fluent construction ----------------------------------------------------------------
+
+    def map(self, fn: Callable[[T], U], num_workers: int = 0, mode: str = "thread") -> Node[U]:
+        """Apply ``fn`` to every item; with ``num_workers``, in a pool of threads or processes
+        (``mode``), keeping the order."""
+        if num_workers:
+            from resumable.ops.parallel_map import ParallelMap
+
+            return ParallelMap(self, fn, num_workers=num_workers, mode=mode)
+        from resumable.ops.map import Map
+
+        return Map(self, fn)
+
+    def prefetch(self, buffer_size: int = 4) -> Node[T]:
+        """Run the upstream in a background thread, up to ``buffer_size`` items ahead."""
+        from resumable.ops.prefetch import Prefetch
+
+        return Prefetch(self, buffer_size)
+
+    def cache(self, directory: str | None = None, max_bytes: int = 1 << 30) -> Node[T]:
+        """Keep the upstream's outputs: in memory (an LRU of ``max_bytes``) or, with
+        ``directory``, on disk in Arrow IPC files reused by later epochs and jobs."""
+        from resumable.ops.cache import cache
+
+        return cache(self, directory, max_bytes=max_bytes)
+
+    def filter(self, predicate: Callable[[T], bool]) -> Filter[T]:
+        """Keep the items for which ``predicate`` is true."""
+        from resumable.ops.filter import Filter
+
+        return Filter(self, predicate)
+
+    def batch(
+        self, batch_size: int, drop_last: bool = False, collate_fn: Callable[[list[T]], Any] | None = None
+    ) -> Batch[T]:
+        """Group items into lists of ``batch_size`` (passed through ``collate_fn`` if given)."""
+        from resumable.ops.batch import Batch
+
+        return Batch(self, batch_size, drop_last=drop_last, collate_fn=collate_fn)
+
+    def pack(self, seq_len: int, **options: Any) -> Pack:
+        """Pack token sequences into fixed-length rows (see ``rs.nodes.Pack`` for the options)."""
+        from resumable.pack.node import Pack
+
+        return Pack(self, seq_len, **options)
+
+    def repeat(self, times: int | None = None) -> Repeat[T]:
+        """Run epochs back to back, forever or ``times`` times, reshuffling each epoch."""
+        from resumable.ops.repeat import Repeat
+
+        return Repeat(self, times)
+
+    def shuffle(self, seed: int = 0, block_size: int | str | None = None, window: int | None = None) -> Node[T]:
+        """Global shuffle; needs random access (place it before filter, batch or pack)."""
+        raise ConfigError(f"{self.kind}: shuffle() needs random access; place it before filter, batch and pack")
+
+    def shard(
+        self, rank: int | None = None, world_size: int | None = None, split_workers: bool = True
+    ) -> Shard[T]:
+        """Partition across ranks; needs random access (place it before filter, batch or pack)."""
+        raise ConfigError(f"{self.kind}: shard() needs random access; place it before filter, batch and pack")
+
+    def __repr__(self) -> str:
+        chain = []
+        node: Node[Any] | None = self
+        while node is not None:
+            chain.append(node.kind)
+            node = node.upstream
+        return f"<{' < '.join(chain)}>"

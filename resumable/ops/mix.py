@@ -12,27 +12,17 @@ next.
 Scheduling rules (``schedule=``)
 --------------------------------
 
-``"smooth"`` (default): largest credit first, the "smooth weighted round-robin" rule. Each
-eligible component ``i`` (active, weight > 0) has a credit ``c_i``; its share is
-``p_i = w_i / sum(w over eligible)``. At every step the component with the largest ``c_i + p_i``
-is chosen; then every eligible credit grows by its ``p_i`` and the chosen one loses 1. Credits
-sum to zero and stay bounded, so after ``t`` items each component has handed out
-``p_i * t`` items up to a bounded error (of the order of the number of components) at *every*
-``t``: no bursts, no drift, and the realised proportions match the weights from the first
-hundred items on, where a random draw is off by ``O(sqrt(t))``. Ties (equal weights give one
-every few steps) are broken by a splitmix64 hash keyed by ``(seed, epoch, step, component)``,
-so the order within each round varies with the seed instead of always favouring the first
-name. This is the default because training mixtures are usually specified as proportions that
-every stretch of the stream should respect.
+``"smooth"`` (default): largest credit first, the "smooth weighted round-robin" rule. After
+``t`` items each component has handed out its share of ``t`` up to a bounded error at *every*
+``t`` (no bursts, no drift), ties broken by a hash keyed by the seed. This is the default
+because training mixtures are usually specified as proportions that every stretch of the
+stream should respect.
 
-``"random"``: independent keyed draws. At step ``t`` of mix epoch ``e``,
-``u = splitmix64(key(seed, e) + t)`` mapped to ``[0, 1)`` picks a component by cumulative
-weight over the eligible ones, in the order the components were given. The choice is a pure
-function of ``(seed, epoch, step, weights, eligible set)``; use it when the interleave must
-look like i.i.d. sampling.
+``"random"``: independent keyed draws, a pure function of ``(seed, epoch, step, weights,
+eligible set)``; use it when the interleave must look like i.i.d. sampling.
 
 Either way the scheduler's state is plain counters (step, per-component counts and credits),
-so resuming never replays anything.
+so resuming never replays anything. The arithmetic is in ``resumable.ops._schedule``.
 
 When a component ends (``on_end=``)
 -----------------------------------
@@ -71,7 +61,7 @@ from resumable.core.state import (
     short_repr,
 )
 from resumable.errors import ConfigError, StateError
-from resumable.order.lcg import _splitmix64
+from resumable.ops import _schedule
 
 T = TypeVar("T")
 
@@ -93,11 +83,6 @@ RESTARTS = "restarts"
 FRESH = "fresh"
 WEIGHTS = "weights"  # informational only: never validated
 LAST = "last"
-
-_M64 = (1 << 64) - 1
-_GOLDEN = 0x9E3779B97F4A7C15
-# Credits closer than this are a tie (float sums of shares such as 1/3 are not exact).
-_TIE = 1e-9
 
 
 class Mix(Node[T]):
@@ -249,35 +234,22 @@ class Mix(Node[T]):
         """The eligible components (active, weight > 0) and their shares, cached until the
         weights, the active set or the epoch change."""
         if self._cached_plan is None:
-            eligible = [name for name in self.names if self._active[name] and self._weights[name] > 0]
-            total = sum(self._weights[name] for name in eligible)
-            self._cached_plan = (eligible, {name: self._weights[name] / total for name in eligible})
+            self._cached_plan = _schedule.shares(self.names, self._weights, self._active)
         return self._cached_plan
 
     def _key(self, step: int) -> int:
         """splitmix64 of ``(seed, epoch, step)``."""
         if self._cached_base is None:
-            self._cached_base = _splitmix64((_splitmix64(self.seed & _M64) ^ self._epoch) & _M64)
-        return _splitmix64((self._cached_base + step * _GOLDEN) & _M64)
+            self._cached_base = _schedule.epoch_key(self.seed, self._epoch)
+        return _schedule.step_key(self._cached_base, step)
 
     def _choose(self, eligible: list[str], shares: dict[str, float]) -> str:
         """The component for the current step; a pure function of the counters and weights."""
         step = self._step
         if self.schedule == "random":
-            u = (self._key(step) >> 11) / float(1 << 53)
-            cumulative = 0.0
-            for name in eligible:
-                cumulative += shares[name]
-                if u < cumulative:
-                    return name
-            return eligible[-1]
-        scores = {name: self._credits[name] + shares[name] for name in eligible}
-        best = max(scores.values())
-        tied = [name for name in eligible if scores[name] >= best - _TIE]
-        if len(tied) == 1:
-            return tied[0]
-        key = self._key(step)
-        return min(tied, key=lambda name: _splitmix64((key + self.names.index(name)) & _M64))
+            return _schedule.draw(self._key(step), eligible, shares)
+        tied = _schedule.leaders(eligible, shares, self._credits)
+        return tied[0] if len(tied) == 1 else _schedule.break_tie(tied, self.names, self._key(step))
 
     def _drop(self, name: str) -> None:
         """Remove ``name`` from the schedule; its credit is spread over the others."""

@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import resumable as rs
-from resumable.sources import line_index
+from resumable.sources import _sidecar, line_index
 from tests.resume import take
 
 RECORDS = [{"id": i, "text": "café " * (i % 5) + "x" * i} for i in range(60)]
@@ -141,7 +141,7 @@ def sidecar_damages(draw: st.DrawFn) -> Callable[[bytes], bytes]:
     tail = draw(st.binary(min_size=1, max_size=32))
 
     def damage(data: bytes) -> bytes:
-        header = line_index.HEADER.size
+        header = _sidecar.HEADER.size
         damaged = bytearray(data)
         if how == "flip_header":
             damaged[int(where * (header - 1))] ^= mask
@@ -169,7 +169,7 @@ def test_damaged_sidecars_never_fail_valid_data(
     shuffled: bool,
     block_entries: int,
 ) -> None:
-    monkeypatch.setattr(line_index, "BLOCK_ENTRIES", block_entries)
+    monkeypatch.setattr(_sidecar, "BLOCK_ENTRIES", block_entries)
     path = write("jsonl", tmp_path_factory.mktemp("sidecar"))
     build("jsonl", path, shuffled=False)
     sidecar = Path(path + line_index.SIDECAR_SUFFIX)

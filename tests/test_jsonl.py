@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import resumable as rs
-from resumable.sources import files, line_index
+from resumable.sources import _sidecar, files, line_index
 from resumable.sources import jsonl as jsonl_module
 from tests.resume import check_resume, take
 
@@ -249,14 +249,14 @@ def test_read_only_data_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     path = write(data / "a.jsonl", records(10))
     cache = tmp_path / "cache"
     monkeypatch.setenv("RESUMABLE_CACHE_DIR", str(cache))
-    write_atomically = line_index.write_atomically
+    write_atomically = _sidecar.write_atomically
 
     def refuse_data_dir(path: str, write: Any) -> None:
         if Path(path).parent.resolve() == data.resolve():
             raise PermissionError(13, "Permission denied", str(data))
         write_atomically(path, write)
 
-    monkeypatch.setattr(line_index, "write_atomically", refuse_data_dir)
+    monkeypatch.setattr(_sidecar, "write_atomically", refuse_data_dir)
     pipe = rs.jsonl(path).shuffle(1)
     head = take(pipe, 4)
     assert not (data / "a.jsonl.rsidx").exists()
@@ -413,13 +413,13 @@ def test_file_made_unreadable_is_a_source_error(tmp_path: Path) -> None:
 
 def test_corrupt_sidecar_never_fails_valid_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Regression: one changed offset in the sidecar body made valid data fail as malformed JSON."""
-    monkeypatch.setattr(line_index, "BLOCK_ENTRIES", 8)
+    monkeypatch.setattr(_sidecar, "BLOCK_ENTRIES", 8)
     path = write(tmp_path / "a.jsonl", records(100))
     expected = list(rs.jsonl(path))
     sidecar = Path(path + ".rsidx")
     stored = bytearray(sidecar.read_bytes())
     for entry in (3, 50, 97):
-        at = line_index.HEADER.size + 8 * entry
+        at = _sidecar.HEADER.size + 8 * entry
         stored[at] ^= 0x05
     sidecar.write_bytes(bytes(stored))
     with pytest.warns(line_index.SidecarWarning, match="is corrupt"):

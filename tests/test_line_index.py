@@ -17,15 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from resumable.errors import ConfigError, SourceError
-from resumable.sources import line_index
-from resumable.sources.line_index import (
-    BLOCK_ENTRIES,
-    CONTENT_DIGEST,
-    HEADER,
-    SIDECAR_SUFFIX,
-    LineIndex,
-    SidecarWarning,
-)
+from resumable.sources import _line_scan, _sidecar, line_index
+from resumable.sources._sidecar import BLOCK_ENTRIES, HEADER, SIDECAR_SUFFIX, SidecarWarning
+from resumable.sources.line_index import CONTENT_DIGEST, LineIndex
 
 BOM = b"\xef\xbb\xbf"
 
@@ -129,7 +123,7 @@ def test_blank_line_spanning_chunks_after_record(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("steps", [1, 2, 16])
 def test_blank_lines_past_the_vectorised_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, steps: int) -> None:
-    monkeypatch.setattr(line_index, "BLANK_STEPS", steps)
+    monkeypatch.setattr(_line_scan, "BLANK_STEPS", steps)
     data = b"".join([b" \n", b" 1\n", b"\t\r\n", b"  x\r\n", b" " * 30 + b"\n", b" " * 30 + b"y\n"] * 5)
     check(LineIndex.build(write(tmp_path, data), chunk_size=16), data)
 
@@ -324,7 +318,7 @@ def rewrite_offsets(sidecar: str, change: Callable[[np.ndarray], None], *, check
     change(starts)
     data[HEADER.size : HEADER.size + 8 * entries] = starts.tobytes()
     if checksums:
-        data[HEADER.size + 8 * entries :] = line_index._block_checksums(starts).tobytes()
+        data[HEADER.size + 8 * entries :] = _sidecar.block_checksums(starts).tobytes()
     Path(sidecar).write_bytes(bytes(data))
 
 
@@ -373,7 +367,7 @@ def test_offsets_outside_the_file_are_caught_at_open(
 
 
 def test_blocks_are_verified_once_and_only_when_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(line_index, "BLOCK_ENTRIES", 4)
+    monkeypatch.setattr(_sidecar, "BLOCK_ENTRIES", 4)
     data = many_records(50)  # 51 entries: 13 blocks
     path = write(tmp_path, data)
     sidecar = LineIndex.open(path).sidecar
@@ -422,7 +416,7 @@ def test_old_format_sidecar_is_rebuilt_silently(tmp_path: Path, monkeypatch: pyt
         index = LineIndex.open(path)
     assert builds == [path]
     check(index, DATA)
-    assert HEADER.unpack_from(Path(sidecar).read_bytes())[1] == line_index.FORMAT_VERSION
+    assert HEADER.unpack_from(Path(sidecar).read_bytes())[1] == _sidecar.FORMAT_VERSION
 
 
 def test_rebuild_of_a_file_changed_during_the_run_is_a_source_error(tmp_path: Path) -> None:
@@ -472,7 +466,7 @@ def refuse_dir(monkeypatch: pytest.MonkeyPatch, refused: list[Path] | None) -> N
 
     Tests may run as root, which writes into 0o555 directories, so permissions are simulated.
     """
-    original = line_index.write_atomically
+    original = _sidecar.write_atomically
 
     def write_atomically(path: str, write: Any) -> None:
         directory = Path(path).parent
@@ -480,7 +474,7 @@ def refuse_dir(monkeypatch: pytest.MonkeyPatch, refused: list[Path] | None) -> N
             raise PermissionError(13, "Permission denied", str(directory))
         original(path, write)
 
-    monkeypatch.setattr(line_index, "write_atomically", write_atomically)
+    monkeypatch.setattr(_sidecar, "write_atomically", write_atomically)
 
 
 def test_read_only_dir_falls_back_to_cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -27,7 +27,8 @@ from resumable.loader_state import LoaderState, parse_loader_state
 from resumable.ops.mix import COMPONENTS
 from resumable.order.elastic import Offset, Remap, Reorder
 from resumable.order.shard import NEXT_REMAP, REMAP
-from resumable.pack.node import INHERITED, OPEN, OPEN_SIZES, READY, READY_SIZES, Pack
+from resumable.pack._entries import INHERITED, OPEN, OPEN_SIZES, READY, READY_SIZES
+from resumable.pack.node import Pack
 from resumable.sources.files import FILES, LEGACY_FINGERPRINT_LENGTH, MTIME_NS, NAME, SIZE
 
 CURSOR_KEYS = (EPOCH, POSITION, LENGTH)

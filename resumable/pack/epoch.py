@@ -24,6 +24,7 @@ from resumable.order.elastic import MAX_POSITION, Remap
 from resumable.order.orders import Order, take
 from resumable.order.partition import shard_size, shard_to_global
 from resumable.order.shard import NEXT_REMAP, REMAP
+from resumable.pack.strategies import best_fit_decreasing
 
 REF_FIELDS = 4
 """An inherited piece is ``[epoch, record, token_start, token_end]``: the upstream is indexed, so no
@@ -44,13 +45,37 @@ class Plan(NamedTuple):
     bounds: np.ndarray
     counts: dict[str, int]
 
+    @classmethod
+    def pack(cls, documents: np.ndarray, seq_len: int, max_pieces: int | None, counts: dict[str, int]) -> Plan:
+        """Pack ``documents`` (rows of ``(record index, full, end)`` in the upstream's order:
+        tokens ``[0, full)`` make whole rows, ``[full, end)`` one piece) by best-fit-decreasing;
+        rows keep the order of their first piece."""
+        # A document gives full // seq_len whole rows, then its tail if any: piece r starts at r * seq_len.
+        pieces = documents[:, 1] // seq_len + (documents[:, 2] > documents[:, 1])
+        first = np.repeat(np.cumsum(pieces) - pieces, pieces)
+        starts = (np.arange(int(pieces.sum()), dtype=np.int64) - first) * seq_len
+        ends = np.minimum(starts + seq_len, np.repeat(documents[:, 2], pieces))
+        indices = np.repeat(documents[:, 0], pieces)
+
+        lengths = ends - starts
+        packed = np.flatnonzero(lengths < seq_len)
+        rows = [[index] for index in np.flatnonzero(lengths == seq_len).tolist()]
+        for row in best_fit_decreasing(lengths[packed], seq_len, max_pieces):
+            rows.append(packed[row].tolist())
+        rows.sort(key=lambda row: row[0])  # the order of the (shuffled) upstream
+        order = np.fromiter((index for row in rows for index in row), dtype=np.int64, count=len(lengths))
+        bounds = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum([len(row) for row in rows], out=bounds[1:])
+        return cls(indices, starts, ends, order, bounds, counts)
+
     @property
     def rows(self) -> int:
         return len(self.bounds) - 1
 
     def row(self, index: int) -> list[int]:
         """The pieces of row ``index``."""
-        return self.order[self.bounds[index] : self.bounds[index + 1]].tolist()  # type: ignore[no-any-return]
+        pieces: list[int] = self.order[self.bounds[index] : self.bounds[index + 1]].tolist()
+        return pieces
 
     def references(self, epoch: int, start: int, stop: int) -> tuple[list[list[int]], list[int]]:
         """Rows ``[start, stop)`` as piece references of ``epoch``, flat, and pieces per row."""

@@ -1,0 +1,259 @@
+"""A streaming packer's rows (``greedy``, ``first_fit``, ``best_fit``, and ``bfd`` with
+``buffer_size``): documents are taken from the upstream one at a time, cut into pieces that a
+bounded strategy groups into rows, and every piece still held is saved by reference."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING, Any, Iterator
+
+import numpy as np
+
+from resumable.core.keys import RecordKey
+from resumable.core.state import ENDED, require
+from resumable.errors import ConfigError, SourceError, StateError
+from resumable.ops.mix import Mix
+from resumable.pack._entries import (
+    COUNTERS,
+    EXHAUSTED,
+    INHERITED,
+    OPEN,
+    OPEN_SIZES,
+    READY,
+    READY_SIZES,
+    SPAN,
+    STATS,
+)
+from resumable.pack._pieces import Piece, Refetcher, count_row, grouped, piece, untraceable
+from resumable.pack.rows import Segment
+from resumable.pack.strategies import Packer, Row
+
+if TYPE_CHECKING:
+    from resumable.pack.node import Pack
+
+
+class BufferedRows:
+    """What a streaming packer holds between its upstream and its rows in one epoch: pieces the
+    strategy placed in open groups, closed rows ready to hand out, the whole rows left of a long
+    document (``span``), pieces inherited in a rescale (packed before the upstream's), and the
+    epoch's counters."""
+
+    def __init__(self, pack: Pack, packer: Packer, counts: dict[str, int] | None = None) -> None:
+        self._pack = pack
+        self._seq_len = pack.seq_len
+        self.counts = dict.fromkeys(COUNTERS, 0) if counts is None else counts
+        self._packer = packer
+        self._pieces: dict[int, Piece] = {}
+        self._next_id = 0
+        self._ready: deque[Row] = deque()
+        self._span: Piece | None = None
+        self._inherited: deque[Piece] = deque()
+        self._exhausted = False
+        # Per origin (mix components): the epochs where the current run of documents without
+        # tokens began and where it is now.
+        self._barren: dict[RecordKey, list[int]] = {}
+
+    # -- iteration ---------------------------------------------------------------------------
+
+    def next_segments(self) -> list[Segment]:
+        """The next row's segments, counted; StopIteration once the upstream's epoch is packed."""
+        while True:
+            if self._span is not None:
+                return self._emit_span(self._span)
+            if self._ready:
+                return self._emit(self._ready.popleft())
+            if self._exhausted:
+                raise StopIteration
+            self._pull()
+
+    def _pull(self) -> None:
+        """Take one document from upstream (or an inherited piece); at its end, flush the open rows."""
+        if self._inherited:
+            held = self._inherited.popleft()
+            full = held.start + (held.end - held.start) // self._seq_len * self._seq_len
+            self._add(held.key, held.start, full, held.end, held.tokens, held.labels)
+            return
+        pack = self._pack
+        upstream = pack._parent
+        try:
+            record = next(upstream)
+        except StopIteration:
+            self._exhausted = True
+            self._ready.extend(self._packer.flush())
+            return
+        key = upstream.last_key()
+        if key is None:
+            raise ConfigError(untraceable(pack.kind, upstream))
+        tokens, labels = pack._read(record, key)
+        full, end = pack._cut(len(tokens), self.counts)
+        if not end:
+            self._check_barren(key)
+            return
+        self._barren.clear()
+        self._add(key, 0, full, end, tokens, labels)
+
+    def _add(
+        self, key: RecordKey, start: int, full: int, end: int, tokens: np.ndarray, labels: np.ndarray | None
+    ) -> None:
+        """Tokens ``[start, full)`` of a record make whole rows of their own, ``[full, end)``
+        one piece for the strategy."""
+        if full > start:
+            self._span = piece(key, start, full, tokens, labels)
+        if end > full:
+            item = self._next_id
+            self._next_id = item + 1
+            self._pieces[item] = piece(key, full, end, tokens, labels)
+            self._ready.extend(self._packer.add(item, end - full))
+
+    def _check_barren(self, key: RecordKey) -> None:
+        """Fail instead of spinning forever when a whole upstream epoch gives no tokens (every
+        document empty or dropped): after ``repeat()`` no row would ever come. After a mix,
+        epochs are counted per origin (the components a key names), since components run
+        through their epochs independently, and only when every component the mix still
+        chooses from is barren can no row come."""
+        origin, epoch = key[:-2], key[-2]
+        span = self._barren.setdefault(origin, [epoch, epoch])
+        span[1] = epoch
+        if epoch <= span[0] + 1:
+            return
+        first = span[0]
+        mix = self._upstream_mix()
+        if origin and mix is not None:
+            barren = {path[0] for path, (start, latest) in self._barren.items() if path and latest > start + 1}
+            if not set(mix.eligible) <= barren:
+                return
+        where = f" of mix component {'/'.join(map(str, origin))}" if origin else ""
+        pack = self._pack
+        raise SourceError(
+            f"{pack.kind}: no document of epoch {first + 1}{where} has tokens to pack (all are empty"
+            f"{' or dropped as longer than seq_len' if pack.overlong == 'drop' else ''}), so no row can come"
+        )
+
+    def _upstream_mix(self) -> Mix[Any] | None:
+        """The mix the packer's documents come from, through pass-through nodes, if any."""
+        node = self._pack.upstream
+        while node is not None and not isinstance(node, Mix):
+            node = node.upstream
+        return node
+
+    def _emit_span(self, span: Piece) -> list[Segment]:
+        """The next whole row of a long document."""
+        stop = span.start + self._seq_len
+        self._span = piece(span.key, stop, span.end, span.tokens, span.labels) if stop < span.end else None
+        segments = [Segment(span.tokens, span.labels, span.start, stop)]
+        count_row(self.counts, segments, self._seq_len)
+        return segments
+
+    def _emit(self, row: Row) -> list[Segment]:
+        pieces = self._pieces
+        segments = [pieces.pop(item).segment() for item in row]
+        count_row(self.counts, segments, self._seq_len)
+        return segments
+
+    # -- what is held ------------------------------------------------------------------------
+
+    def pending_keys(self) -> list[RecordKey]:
+        """The key of every document held, once each: the records a restore fetches again."""
+        return list(dict.fromkeys(held.key for held in self._buffered()))
+
+    def _buffered(self) -> Iterator[Piece]:
+        pieces = self._pieces
+        yield from self._inherited
+        if self._span is not None:
+            yield self._span
+        for row in self._ready:
+            yield from (pieces[item] for item in row)
+        for group in self._packer.groups():
+            yield from (pieces[item] for item in group)
+
+    # -- state -------------------------------------------------------------------------------
+
+    def progress(self) -> dict[str, Any]:
+        """Every piece held, by reference, grouped as the strategy and the ready rows hold them."""
+        pieces = self._pieces
+        groups = self._packer.groups()
+        return {
+            OPEN: [pieces[item].ref for group in groups for item in group],
+            OPEN_SIZES: [len(group) for group in groups],
+            READY: [pieces[item].ref for row in self._ready for item in row],
+            READY_SIZES: [len(row) for row in self._ready],
+            SPAN: self._span.ref if self._span is not None else [],
+            INHERITED: [held.ref for held in self._inherited],
+            EXHAUSTED: self._exhausted,
+            STATS: dict(self.counts),
+        }
+
+    @classmethod
+    def restored(
+        cls, pack: Pack, packer: Packer, state: dict[str, Any], path: str, counts: dict[str, int]
+    ) -> BufferedRows:
+        """The rows ``state`` saved, its pieces fetched again from the upstream in one call and
+        checked against their records, placed in the empty strategy ``packer``."""
+        seq_len = pack.seq_len
+        open_groups = grouped(state, OPEN, OPEN_SIZES, path)
+        ready_rows = grouped(state, READY, READY_SIZES, path)
+        span_ref = require(state, SPAN, list, path)
+        exhausted = require(state, EXHAUSTED, bool, path)
+
+        inherited_refs = require(state, INHERITED, list, path)
+        fetcher = Refetcher(pack._parent.fetch_many, pack._read, path)
+        fetcher.fetch(
+            [(entry, OPEN) for group in open_groups for entry in group]
+            + [(entry, READY) for row in ready_rows for entry in row]
+            + ([(span_ref, SPAN)] if span_ref else [])
+            + [(entry, INHERITED) for entry in inherited_refs]
+        )
+        pieces: dict[int, Piece] = {}
+
+        def load(entry: Any, where: str) -> int:
+            loaded = fetcher.piece(entry, where)
+            if loaded.end - loaded.start > seq_len:
+                raise StateError(f"{path}: {where} piece {entry} is longer than seq_len={seq_len}")
+            item = len(pieces)
+            pieces[item] = loaded
+            return item
+
+        groups = [[load(entry, OPEN) for entry in group] for group in open_groups]
+        ready: deque[Row] = deque()
+        for row in ready_rows:
+            items = [load(entry, READY) for entry in row]
+            used = sum(pieces[item].end - pieces[item].start for item in items)
+            if not items or used > seq_len or len(items) > (pack.max_documents or seq_len):
+                raise StateError(f"{path}: a ready row {row} does not fit a row of seq_len={seq_len}")
+            ready.append(items)
+        span = None
+        if span_ref:
+            span = fetcher.piece(span_ref, SPAN)
+            if (span.end - span.start) % seq_len:
+                raise StateError(f"{path}: {SPAN} {span_ref} is not a whole number of rows of {seq_len}")
+        inherited = deque(fetcher.piece(entry, INHERITED) for entry in inherited_refs)
+
+        try:
+            packer.restore([[(item, pieces[item].end - pieces[item].start) for item in group] for group in groups])
+        except ValueError as exc:
+            raise StateError(f"{path}: the {OPEN} groups do not fit strategy {pack.strategy!r}: {exc}") from exc
+        rows = cls(pack, packer, counts)
+        rows._pieces, rows._next_id = pieces, len(pieces)
+        rows._ready, rows._span, rows._exhausted = ready, span, exhausted
+        rows._inherited = inherited
+        return rows
+
+    @staticmethod
+    def rescaled(
+        pack: Pack, olds: list[dict[str, Any]], path: str, consumer: int, num_consumers: int
+    ) -> dict[str, Any]:
+        """A fresh epoch state holding this consumer's share of every old consumer's pieces,
+        dealt out one by one."""
+        pieces: list[Any] = []
+        for old in olds:
+            pack._check_config(old, path)
+            pieces.extend(require(old, INHERITED, list, path))
+            span = require(old, SPAN, list, path)
+            if span:
+                pieces.append(span)
+            pieces.extend(require(old, READY, list, path))
+            pieces.extend(require(old, OPEN, list, path))
+        state = pack._header()
+        state.update({OPEN: [], OPEN_SIZES: [], READY: [], READY_SIZES: [], SPAN: [], EXHAUSTED: False})
+        state.update({INHERITED: pieces[consumer::num_consumers], STATS: dict.fromkeys(COUNTERS, 0), ENDED: False})
+        return state

@@ -1,0 +1,42 @@
+"""The entries of a packer's state, and the counters it keeps per epoch."""
+
+# Options that shape the rows (``Pack._config``): a state saved with other values is rejected.
+SEQ_LEN = "seq_len"
+STRATEGY = "strategy"
+BUFFER_SIZE = "buffer_size"
+OVERLONG = "overlong"
+SPLIT_POSITIONS = "split_positions"
+MASK_FIRST_TOKEN = "mask_first_token"
+MAX_DOCUMENTS = "max_documents"
+INPUT_FIELD = "input_field"
+LABELS_FIELD = "labels_field"
+PAD_TOKEN_ID = "pad_token_id"
+
+# Progress of a streaming packer: piece references, flat, and how many of them form each group.
+OPEN = "open"
+OPEN_SIZES = "open_sizes"
+READY = "ready"
+READY_SIZES = "ready_sizes"
+SPAN = "span"
+EXHAUSTED = "exhausted"
+# Pieces handed over by other consumers in an elastic rescale, packed before the upstream's.
+INHERITED = "inherited"
+# Progress of a whole-epoch plan (``strategy="bfd"`` without ``buffer_size``); the epoch is the
+# indexed upstream's, saved in its state. Rows handed out this epoch (inherited ones first), the
+# plan's rows once it is made, and after a rescale the inherited rows: whole rows of old
+# consumers' plans, as piece references under INHERITED cut into rows by INHERITED_SIZES.
+EMITTED = "emitted"
+PLANNED = "planned"
+INHERITED_SIZES = "inherited_sizes"
+# Counters, in both modes.
+STATS = "stats"
+
+DOCUMENTS = "documents"
+SPLIT = "split"
+TRUNCATED = "truncated"
+DROPPED = "dropped"
+EMPTY = "empty"
+ROWS = "rows"
+PADDING = "padding"
+COUNTERS = (DOCUMENTS, SPLIT, TRUNCATED, DROPPED, EMPTY, ROWS, PADDING)
+DOCUMENT_COUNTERS = (DOCUMENTS, SPLIT, TRUNCATED, DROPPED, EMPTY)

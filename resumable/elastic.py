@@ -38,6 +38,9 @@ from resumable.core.state import (
     UPSTREAM,
     check_header,
     check_json,
+    child_path,
+    nested,
+    put_nested,
     require,
     require_adjacent_epochs,
     require_count,
@@ -186,25 +189,10 @@ def _rescale_node(
         state = node._fresh_rescaled(olds, path)
     olds = node._olds_for_children(olds, path)
     for where, child in node._children().items():
-        child_olds = [_nested(old, where, path) for old in olds]
-        child_path = f"{path}[{where[-1]}] > {child.kind}" if len(where) > 1 else f"{path} > {child.kind}"
-        _put_nested(state, where, _rescale_node(child, child_olds, child_path, consumer, num_consumers))
+        child_olds = [nested(old, where, path) for old in olds]
+        rescaled = _rescale_node(child, child_olds, child_path(path, where, child.kind), consumer, num_consumers)
+        put_nested(state, where, rescaled)
     return state
-
-
-def _nested(state: dict[str, Any], where: tuple[str, ...], path: str) -> dict[str, Any]:
-    value: Any = state
-    for key in where:
-        if not isinstance(value, dict) or not isinstance(value.get(key), dict):
-            raise StateError(f"{path}: state has no {'/'.join(where)!r} entry")
-        value = value[key]
-    return value  # type: ignore[no-any-return]
-
-
-def _put_nested(state: dict[str, Any], where: tuple[str, ...], value: dict[str, Any]) -> None:
-    for key in where[:-1]:
-        state = state.setdefault(key, {})
-    state[where[-1]] = value
 
 
 def _rescale_indexed(cursor: IndexedNode[Any], olds: list[dict[str, Any]], path: str) -> dict[str, Any]:
@@ -277,7 +265,7 @@ def _held_remaps(shard: Shard[Any], olds: list[dict[str, Any]], epochs: list[int
     """Per epoch, the remap the old consumers hold for it (merged from their compacted copies).
     Every consumer reading an epoch holds its remap, or none does; a consumer past an epoch may
     have dropped it."""
-    base = len(shard.upstream)  # type: ignore[arg-type]
+    base = len(shard.upstream)
     copies: dict[int, list[Remap]] = {}
     holders: dict[int, set[int]] = {}
     for consumer, old in enumerate(olds):
@@ -297,7 +285,7 @@ def _held_remaps(shard: Shard[Any], olds: list[dict[str, Any]], epochs: list[int
 
 def _space(shard: Shard[Any], previous: Remap | None) -> int:
     """Positions of the space old consumers strode over: a remap's newest space, or the epoch's."""
-    return previous.length if previous is not None else len(shard.upstream)  # type: ignore[arg-type]
+    return previous.length if previous is not None else len(shard.upstream)
 
 
 def _rescaled(

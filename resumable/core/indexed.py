@@ -20,8 +20,8 @@ from resumable.core.state import require_count
 from resumable.errors import ConfigError, StateError
 
 if TYPE_CHECKING:
+    from resumable.core.protocols import Leaf
     from resumable.order.shard import Shard
-    from resumable.sources.source import Source
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -92,8 +92,8 @@ class IndexedNode(Node[T]):
         return self.upstream
 
     @property
-    def leaf(self) -> Source[Any]:
-        """The source at the bottom of this indexed chain."""
+    def leaf(self) -> Leaf:
+        """The source at the bottom of this indexed chain (or a cache standing in for it)."""
         if self.upstream is None:
             raise NotImplementedError
         return self.upstream.leaf
@@ -139,7 +139,7 @@ class IndexedNode(Node[T]):
         self._prepare_chain()
         leaf = self.leaf
         raw = leaf._raw_at(np.array([index], dtype=np.int64))[0]
-        record = raw
+        record: T = raw  # raw records are final records unless the source decodes them
         if self._decode is not None:
             try:
                 record = self._decode(raw)
@@ -147,7 +147,7 @@ class IndexedNode(Node[T]):
                 leaf._decode_failed(raw, index, error, may_skip=False)
         for fn in self._fns:
             record = fn(record)
-        return record  # type: ignore[no-any-return]
+        return record
 
     def _scan(self, start: int, stop: int, epoch: int, skip: bool) -> Iterator[tuple[int, T]]:
         """``(leaf index, record)`` for positions ``[start, stop)`` of ``epoch``, read in chunks
@@ -238,7 +238,7 @@ class IndexedNode(Node[T]):
         self._chunk_start = position
         self._chunk_size = MIN_CHUNK
         self._pending: Iterator[Any] = iter(())
-        self._next_record: Callable[[], Any] = self._pending.__next__
+        self._next_record: Callable[[], T] = self._pending.__next__
 
     def _prepare_chain(self) -> None:
         if not self._chain_ready:
@@ -249,7 +249,7 @@ class IndexedNode(Node[T]):
     def __next__(self) -> T:
         while True:
             try:
-                return self._next_record()  # type: ignore[no-any-return]
+                return self._next_record()
             except StopIteration:
                 self._load_next_chunk()
             except Exception as error:  # noqa: BLE001 - sorted out off the hot path

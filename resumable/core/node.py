@@ -75,13 +75,6 @@ class Node(Generic[T]):
         self.upstream = upstream
         self._ended = False
 
-    @property
-    def _parent(self) -> Node[Any]:
-        """The upstream of a node that always has one (every node but a source or a mix)."""
-        if self.upstream is None:
-            raise ConfigError(f"{self.kind} has no upstream")
-        return self.upstream
-
     # -- iteration --------------------------------------------------------------------------
 
     def __iter__(self) -> Node[T]:

@@ -2,7 +2,33 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+
+class Leaf(Protocol):
+    """The bottom of an indexed chain, from which the chain's cursor reads raw records by leaf
+    index: a source, or a cache standing in for the chain below it."""
+
+    def __len__(self) -> int: ...
+
+    def _raw_at(self, indices: np.ndarray) -> Sequence[Any]:
+        """Raw records at ``indices`` (an int64 array), in that order."""
+        ...
+
+    def _decoder(self) -> Callable[[Any], Any] | None:
+        """The function turning a raw record into a record; None when raw records are final."""
+        ...
+
+    @property
+    def skips_malformed(self) -> bool:
+        """Whether iteration skips records the decoder rejects."""
+        ...
+
+    def _decode_failed(self, raw: Any, index: int, error: Exception, may_skip: bool) -> None:
+        """Raise the error for a record the decoder rejected, or return to skip it."""
+        ...
 
 
 @runtime_checkable

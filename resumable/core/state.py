@@ -9,7 +9,7 @@ upstream's state under ``UPSTREAM``. Errors name the node's path in the pipeline
 from __future__ import annotations
 
 import reprlib
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence, cast
 
 from resumable.errors import StateError
 
@@ -43,7 +43,7 @@ def require(state: Mapping[str, Any], key: str, types: type | tuple[type, ...], 
 
 def require_count(state: Mapping[str, Any], key: str, path: str, upper: int | None = None) -> int:
     """Return a non-negative int entry, at most ``upper`` when given."""
-    value = require(state, key, int, path)
+    value: int = require(state, key, int, path)
     if value < 0 or (upper is not None and value > upper):
         bound = f"[0, {upper}]" if upper is not None else ">= 0"
         raise StateError(f"{path}: state entry {key!r} is {value}, expected an int in {bound}")
@@ -57,7 +57,7 @@ def nested(state: Mapping[str, Any], where: tuple[str, ...], path: str) -> dict[
         if not isinstance(value, dict) or not isinstance(value.get(key), dict):
             raise StateError(f"{path}: state has no {'/'.join(where)!r} entry")
         value = value[key]
-    return value  # type: ignore[no-any-return]  # checked to be a dict just above
+    return cast("dict[str, Any]", value)  # each step checked to be a dict
 
 
 def put_nested(state: dict[str, Any], where: tuple[str, ...], value: dict[str, Any]) -> None:

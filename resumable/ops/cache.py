@@ -161,8 +161,9 @@ def fingerprint(upstream: IndexedNode[Any]) -> tuple[str, dict[str, Any]]:
     return hashlib.sha256(text.encode()).hexdigest()[:FINGERPRINT_CHARS], config
 
 
-def _check_upstream(upstream: Any) -> None:
-    """Raise ConfigError unless positions of ``upstream`` are stable record ids."""
+def _check_upstream(upstream: Any) -> IndexedNode[Any]:
+    """``upstream``, once checked to be indexed with positions that are stable record ids;
+    ConfigError otherwise."""
     if not isinstance(upstream, IndexedNode):
         kind = upstream.kind if isinstance(upstream, Node) else type(upstream).__name__
         raise ConfigError(
@@ -185,6 +186,7 @@ def _check_upstream(upstream: Any) -> None:
                 f"Cache: {upstream!r} maps positions to different records in different epochs; "
                 "place .cache() before shuffle and shard"
             )
+    return upstream
 
 
 class Cache(IndexedNode[T]):
@@ -198,15 +200,17 @@ class Cache(IndexedNode[T]):
 
     kind = "Cache"
 
+    upstream: IndexedNode[Any]
+
     def __init__(
         self,
-        upstream: IndexedNode[T],
+        upstream: Node[T],
         directory: str | os.PathLike[str] | None = None,
         max_bytes: int = DEFAULT_MAX_BYTES,
         block_size: int = DEFAULT_BLOCK_SIZE,
     ) -> None:
-        _check_upstream(upstream)
-        super().__init__(upstream)
+        indexed = _check_upstream(upstream)
+        super().__init__(indexed)
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
             raise ConfigError(f"{self.kind}: max_bytes must be a non-negative int, got {max_bytes!r}")
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
@@ -216,8 +220,8 @@ class Cache(IndexedNode[T]):
         self.directory = None if directory is None else os.path.abspath(os.fspath(directory))
         self.max_bytes = max_bytes
         self.block_size = block_size
-        self.fingerprint, fingerprinted = fingerprint(upstream)
-        self._skips = upstream.leaf.skips_malformed
+        self.fingerprint, fingerprinted = fingerprint(indexed)
+        self._skips = indexed.leaf.skips_malformed
         self.computed = 0
         """Records computed from the upstream by this node (not read from the cache)."""
         self._memory = LRU(max_bytes)
@@ -225,7 +229,7 @@ class Cache(IndexedNode[T]):
         if self.directory is not None:
             root = os.path.join(self.directory, self.fingerprint)
             try:
-                self._disk = disk_cache.DiskStore(root, len(upstream), block_size, fingerprinted)
+                self._disk = disk_cache.DiskStore(root, len(indexed), block_size, fingerprinted)
             except OSError as error:
                 self._fall_back(root, error)
 
@@ -245,10 +249,10 @@ class Cache(IndexedNode[T]):
     # -- leaf-like random access: the nodes above read final records from here ---------------
 
     def __len__(self) -> int:
-        return len(self.upstream)  # type: ignore[arg-type]
+        return len(self.upstream)
 
     @property
-    def leaf(self) -> Cache[T]:  # type: ignore[override]  # the cache is the leaf of the chain above it
+    def leaf(self) -> Cache[T]:  # the leaf of the chain above it
         return self
 
     def _leaf_indices(self, positions: np.ndarray, epoch: int) -> np.ndarray:
@@ -279,10 +283,10 @@ class Cache(IndexedNode[T]):
         """Final records at upstream positions ``indices``, from the cache or computed."""
         positions = indices.tolist()
         if self._disk is not None:
-            return self._from_disk(positions)
+            return self._from_disk(self._disk, positions)
         return self._from_memory(positions)
 
-    def _from_disk(self, positions: list[int]) -> list[T]:
+    def _from_disk(self, disk: disk_cache.DiskStore, positions: list[int]) -> list[T]:
         """Records at ``positions`` from their blocks, computing and storing missing blocks.
 
         Each block is checked once per call (``DiskStore.view``: its file still has the size it
@@ -292,38 +296,39 @@ class Cache(IndexedNode[T]):
         size = self.block_size
         views: dict[int, disk_cache.BlockView] = {}  # checked since the last block was computed
         computed = self.computed
-        block, view = -1, None
+        block = -1
+        view: disk_cache.BlockView  # set at the first position: no block is -1
         for position in positions:
             if position // size != block:
                 block = position // size
-                view = views.get(block)
-                if view is None:
-                    view = self._block(block)
-                    if view is None:  # the directory stopped being writable: memory from now on
+                found = views.get(block)
+                if found is None:
+                    found = self._block(disk, block)
+                    if found is None:  # the directory stopped being writable: memory from now on
                         return records + self._from_memory(positions[len(records) :])
                     if self.computed != computed:
                         computed = self.computed
                         views.clear()
-                    views[block] = view
-            records.append(view.record(position - block * size))  # type: ignore[union-attr]
+                    views[block] = found
+                view = found
+            records.append(view.record(position - block * size))
         return records
 
-    def _block(self, block: int) -> disk_cache.BlockView | None:
-        disk = self._disk
-        view = disk.view(block)  # type: ignore[union-attr]
+    def _block(self, disk: disk_cache.DiskStore, block: int) -> disk_cache.BlockView | None:
+        view = disk.view(block)
         if view is not None:
             return view
-        start, stop = disk.bounds(block)  # type: ignore[union-attr]
+        start, stop = disk.bounds(block)
         computed = self._compute(start, stop)
         table = disk_cache.encode_block(computed)
         try:
-            disk.write(block, table)  # type: ignore[union-attr]
+            disk.write(block, table)
         except OSError as error:
-            self._fall_back(disk.root, error)  # type: ignore[union-attr]
+            self._fall_back(disk.root, error)
             for offset, record in enumerate(computed):
                 self._memory.put(start + offset, record)
             return None
-        return disk.view(block) or disk_cache.BlockView(table)  # type: ignore[union-attr]
+        return disk.view(block) or disk_cache.BlockView(table)
 
     def _from_memory(self, positions: list[int]) -> list[T]:
         memory = self._memory
@@ -349,7 +354,7 @@ class Cache(IndexedNode[T]):
         ``SKIPPED`` where the source skipped a malformed record. The upstream holds no shuffle
         or shard, so its positions are its leaf indices."""
         records: list[Any] = [SKIPPED] * (stop - start)
-        for leaf, record in self.upstream._scan(start, stop, 0, skip=self._skips):  # type: ignore[union-attr]
+        for leaf, record in self.upstream._scan(start, stop, 0, skip=self._skips):
             records[leaf - start] = record
         self.computed += len(records)
         return records
@@ -378,4 +383,4 @@ def cache(
     """Cache ``upstream``'s records: in memory (an LRU of ``max_bytes``) or, with ``directory``,
     in Arrow IPC files reused by later epochs and jobs. ``upstream`` must be indexed and free
     of shuffle and shard (place those after the cache). Raises ConfigError otherwise."""
-    return Cache(upstream, directory, max_bytes=max_bytes, block_size=block_size)  # type: ignore[arg-type]
+    return Cache(upstream, directory, max_bytes=max_bytes, block_size=block_size)

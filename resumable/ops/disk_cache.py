@@ -201,11 +201,14 @@ def _getter(kind: str, array: pa.Array) -> Callable[[int], Any]:
         values = array.values.to_numpy(zero_copy_only=False)
 
         def get_array(row: int) -> np.ndarray:
-            return values[offsets[row] : offsets[row + 1]].copy()  # writable, like what the map made
+            copy: np.ndarray = values[offsets[row] : offsets[row + 1]].copy()  # writable, like what the map made
+            return copy
 
         return get_array
     if kind == NUMPY:
-        return array.to_numpy(zero_copy_only=False).__getitem__  # zero-copy: numeric, no nulls
+        column = array.to_numpy(zero_copy_only=False)  # zero-copy: numeric, no nulls
+        get_numpy: Callable[[int], Any] = column.__getitem__
+        return get_numpy
 
     def get_python(row: int) -> Any:  # per row, so an open block holds no Python objects
         return array[row].as_py()

@@ -31,9 +31,9 @@ class Filter(Node[T]):
     def _next(self) -> T:
         upstream, predicate = self.upstream, self.predicate
         while True:
-            item = next(upstream)
+            item: T = next(upstream)
             if predicate(item):
-                return item  # type: ignore[no-any-return]
+                return item
             self.dropped += 1
 
     def _on_epoch_start(self) -> None:

@@ -272,7 +272,7 @@ class Mix(Node[T]):
             name = self._choose(eligible, shares)
             component = self.components[name]
             try:
-                item = next(component)
+                item: T = next(component)
             except StopIteration:
                 self._component_ended(name)
                 continue
@@ -283,7 +283,7 @@ class Mix(Node[T]):
             self._counts[name] += 1
             self._fresh[name] = False
             self._last = name
-            return item  # type: ignore[no-any-return]
+            return item
 
     def _component_ended(self, name: str) -> None:
         """React to an exhausted component; raises StopIteration when the mix ends."""

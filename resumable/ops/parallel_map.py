@@ -92,7 +92,7 @@ class ParallelMap(ReadAhead[U]):
         self.mode = mode
         self.max_in_flight = IN_FLIGHT_PER_WORKER * self.num_workers
         self._pool: Executor | None = None
-        self._finalizer: weakref.finalize | None = None
+        self._finalizer: weakref.finalize[..., ParallelMap[U]] | None = None
         # Entries (kind, future or error, upstream state after it, upstream last_key after it).
         self._window: deque[tuple[int, Any, dict[str, Any], RecordKey | None]] = deque()
         self._upstream_done = False
@@ -111,7 +111,8 @@ class ParallelMap(ReadAhead[U]):
         if kind == _ERROR:
             raise payload
         try:
-            return payload.result()  # type: ignore[no-any-return]
+            result: U = payload.result()
+            return result
         except BrokenExecutor:
             raise  # the pool died (a worker was killed): not an error of fn on this record
         except Exception as error:  # noqa: BLE001 - wrapped with the record's key
@@ -126,16 +127,16 @@ class ParallelMap(ReadAhead[U]):
         upstream, window = self.upstream, self._window
         while not self._upstream_done and len(window) < self.max_in_flight:
             try:
-                item = next(upstream)  # type: ignore[call-overload,arg-type]
+                item = next(upstream)
             except StopIteration:
                 self._upstream_done = True
-                window.append((_END, None, upstream._state(progress=True), upstream.last_key()))  # type: ignore[union-attr]
+                window.append((_END, None, upstream._state(progress=True), upstream.last_key()))
                 return
             except Exception as error:  # noqa: BLE001 - handed out in order
-                window.append((_ERROR, error, upstream._state(progress=True), upstream.last_key()))  # type: ignore[union-attr]
+                window.append((_ERROR, error, upstream._state(progress=True), upstream.last_key()))
                 continue
             future = self._executor().submit(self.fn, item)
-            window.append((_RESULT, future, upstream._state(progress=True), upstream.last_key()))  # type: ignore[union-attr]
+            window.append((_RESULT, future, upstream._state(progress=True), upstream.last_key()))
 
     def _executor(self) -> Executor:
         if self._pool is None:

@@ -59,7 +59,7 @@ class _Producer:
         while not self.stop_event.is_set():
             with lock:
                 try:
-                    item = next(upstream)  # type: ignore[call-overload]
+                    item = next(upstream)
                     tag = _ITEM
                 except StopIteration:
                     item, tag = None, _END
@@ -122,7 +122,7 @@ class Prefetch(ReadAhead[T]):
         # Serialises the producer's next()/get_state() with fetch() from the consumer side.
         self._lock = threading.Lock()
         self._producer: _Producer | None = None
-        self._finalizer: weakref.finalize | None = None
+        self._finalizer: weakref.finalize[..., Prefetch[T]] | None = None
         self._exhausted = False
 
     # -- iteration --------------------------------------------------------------------------
@@ -136,7 +136,8 @@ class Prefetch(ReadAhead[T]):
         tag, payload, state, key = producer.get()
         self._record(state, key)
         if tag == _ITEM:
-            return payload  # type: ignore[no-any-return]
+            item: T = payload
+            return item
         if tag == _END:
             self._exhausted = True
             self._drop_ahead()

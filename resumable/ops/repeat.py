@@ -43,7 +43,7 @@ class Repeat(Node[T]):
         upstream = self.upstream
         while True:
             try:
-                item = next(upstream)
+                item: T = next(upstream)
             except StopIteration:
                 self.epochs_done += 1
                 if not self._yielded or (self.times is not None and self.epochs_done >= self.times):
@@ -52,7 +52,7 @@ class Repeat(Node[T]):
                 self._yielded = False
                 continue
             self._yielded = True
-            return item  # type: ignore[no-any-return]
+            return item
 
     def _on_epoch_start(self) -> None:
         self.epochs_done = 0

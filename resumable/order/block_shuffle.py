@@ -122,7 +122,8 @@ class BlockLayout:
         """Upstream positions of ``positions`` (int64 array in ``[0, N)``) in ``epoch``."""
         positions = np.asarray(positions, dtype=np.int64)
         if positions.size == 0:
-            return positions.copy()
+            empty: np.ndarray = positions.copy()
+            return empty
         if self.bounds is None:
             span = self.block_size * self.window
             windows = positions // span
@@ -150,9 +151,11 @@ class BlockLayout:
             permuted = slots < full
             if full:
                 blocks[permuted] = Permutation(full, seed, epoch).take(slots[permuted])
-            return blocks * size + rows
+            regular: np.ndarray = blocks * size + rows
+            return regular
         slots = np.searchsorted(slot_starts, within, side="right") - 1
-        return block_starts[slots] + (within - slot_starts[slots])
+        ragged: np.ndarray = block_starts[slots] + (within - slot_starts[slots])
+        return ragged
 
 
 def _natural_bounds(upstream: IndexedNode[Any]) -> np.ndarray | None:

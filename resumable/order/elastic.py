@@ -155,7 +155,8 @@ class Reorder:
             for order in self.orders:
                 picked = orders.take(order, picked, size, self.epoch)
             strides[selected] = picked
-        return owners + strides * self.consumers
+        base: np.ndarray = owners + strides * self.consumers
+        return base
 
     def to_json(self) -> dict[str, Any]:
         saved = [[kind, config] for kind, config in self.orders]

@@ -37,6 +37,8 @@ class Shard(IndexedNode[T]):
 
     kind = "Shard"
 
+    upstream: IndexedNode[Any]
+
     def __init__(
         self,
         upstream: IndexedNode[T],
@@ -66,7 +68,7 @@ class Shard(IndexedNode[T]):
 
     def __len__(self) -> int:
         topology = self.topology
-        return shard_size(len(self.upstream), topology.consumer, topology.num_consumers)  # type: ignore[arg-type]
+        return shard_size(len(self.upstream), topology.consumer, topology.num_consumers)
 
     def _remap_of(self, epoch: int) -> Remap | None:
         for remap in (self.remap, self.next_remap):
@@ -97,11 +99,11 @@ class Shard(IndexedNode[T]):
         remap = self._remap_of(epoch)
         if remap is not None:
             parent_positions = remap.to_base(parent_positions)
-        return self.upstream._leaf_indices(parent_positions, epoch)  # type: ignore[union-attr]
+        return self.upstream._leaf_indices(parent_positions, epoch)
 
     def _raw_chunk(self, start: int, count: int, epoch: int) -> Sequence[Any]:
         if self.topology.num_consumers == 1 and self._remap_of(epoch) is None:
-            return self.upstream._raw_chunk(start, count, epoch)  # type: ignore[union-attr]
+            return self.upstream._raw_chunk(start, count, epoch)
         return super()._raw_chunk(start, count, epoch)
 
     def _pass_cursor(self, epoch: int, position: int) -> None:
@@ -125,15 +127,14 @@ class Shard(IndexedNode[T]):
     def _state(self, progress: bool) -> dict[str, Any]:
         state = super()._state(progress)
         if self.remap is not None:
-            state[REMAP] = self._remap_json()
+            state[REMAP] = self._remap_json(self.remap)
         if self.next_remap is not None:
             state[NEXT_REMAP] = self.next_remap.to_json()
         return state
 
-    def _remap_json(self) -> dict[str, Any]:
-        """The remap as saved: compacted for the positions ahead of the cursor, so once this
-        consumer has passed a level's band its state keeps one integer for it."""
-        remap: Remap = self.remap  # type: ignore[assignment]
+    def _remap_json(self, remap: Remap) -> dict[str, Any]:
+        """``remap`` (this shard's) as saved: compacted for the positions ahead of the cursor, so
+        once this consumer has passed a level's band its state keeps one integer for it."""
         cursor = self._cursor
         if cursor is None or cursor[0] != remap.epoch:
             return remap.to_json()
@@ -144,7 +145,7 @@ class Shard(IndexedNode[T]):
 
     def _load(self, state: Any, path: str, progress: bool = True) -> None:
         check_header(state, self.kind, path)
-        base = len(self.upstream)  # type: ignore[arg-type]
+        base = len(self.upstream)
         remap = next_remap = None
         if REMAP in state:
             remap = Remap.from_json(require(state, REMAP, dict, path), path, base_length=base)

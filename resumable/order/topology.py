@@ -105,11 +105,13 @@ class Consumer:
     in this process (an elastic rescale)."""
 
     def __init__(self, rank: int | None, world_size: int | None, split_workers: bool, where: str) -> None:
-        if (rank is None) != (world_size is None):
+        self._explicit: tuple[int, int] | None = None  # (rank, world_size) when given
+        if rank is not None and world_size is not None:
+            check_rank(rank, world_size, where)
+            self._explicit = (rank, world_size)
+        elif rank is not None or world_size is not None:
             raise ConfigError(f"{where}: give both rank and world_size, or neither")
-        if rank is not None:
-            check_rank(rank, world_size, where)  # type: ignore[arg-type]
-        self.rank, self.world_size, self.split_workers = rank, world_size, split_workers
+        self.split_workers = split_workers
         self._resolved: tuple[int, Topology] | None = None
         self._pinned: Topology | None = None
 
@@ -128,10 +130,7 @@ class Consumer:
             return self._pinned, fresh
         if self._resolved is not None and self._resolved[0] == pid:
             return self._resolved[1], False
-        if self.rank is None:
-            rank, world_size = distributed_rank()
-        else:
-            rank, world_size = self.rank, self.world_size  # type: ignore[assignment]
+        rank, world_size = distributed_rank() if self._explicit is None else self._explicit
         worker, num_workers = dataloader_worker() if self.split_workers else (0, 1)
         self._resolved = (pid, Topology(rank, world_size, worker, num_workers))
         return self._resolved[1], True

@@ -29,6 +29,7 @@ from resumable.pack.rows import Segment
 from resumable.pack.strategies import Packer, Row
 
 if TYPE_CHECKING:
+    from resumable.core.node import Node
     from resumable.pack.node import Pack
 
 
@@ -74,7 +75,7 @@ class BufferedRows:
             self._add(held.key, held.start, full, held.end, held.tokens, held.labels)
             return
         pack = self._pack
-        upstream = pack._parent
+        upstream = pack.upstream
         try:
             record = next(upstream)
         except StopIteration:
@@ -131,7 +132,7 @@ class BufferedRows:
 
     def _upstream_mix(self) -> Mix[Any] | None:
         """The mix the packer's documents come from, through pass-through nodes, if any."""
-        node = self._pack.upstream
+        node: Node[Any] | None = self._pack.upstream
         while node is not None and not isinstance(node, Mix):
             node = node.upstream
         return node
@@ -196,7 +197,7 @@ class BufferedRows:
         exhausted = require(state, EXHAUSTED, bool, path)
 
         inherited_refs = require(state, INHERITED, list, path)
-        fetcher = Refetcher(pack._parent.fetch_many, pack._read, path)
+        fetcher = Refetcher(pack.upstream.fetch_many, pack._read, path)
         fetcher.fetch(
             [(entry, OPEN) for group in open_groups for entry in group]
             + [(entry, READY) for row in ready_rows for entry in row]

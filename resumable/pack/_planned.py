@@ -212,7 +212,7 @@ def check_inherited(pack: Pack, rows: InheritedRows, start: int, path: str) -> N
     try:
         for begin in range(0, len(keys), MAX_CHUNK):
             chunk = keys[begin : begin + MAX_CHUNK]
-            for key, record in zip(chunk, pack._parent.fetch_many(chunk)):
+            for key, record in zip(chunk, pack.upstream.fetch_many(chunk)):
                 lengths[key] = len(pack._read(record, key)[0])
     except (IndexError, ResumableError) as exc:
         raise StateError(f"{path}: the records of the {INHERITED} rows cannot be fetched again: {exc}") from exc

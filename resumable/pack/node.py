@@ -122,6 +122,7 @@ class Pack(Node[dict[str, np.ndarray]]):
 
     collate = staticmethod(collate_rows)
 
+    upstream: Node[Any]
     _rows: BufferedRows | PlannedRows
     """What this epoch holds between the upstream and the rows: a streaming buffer, or a
     whole-epoch plan when ``buffer_size`` is None."""

@@ -144,7 +144,8 @@ class ArrowSource(FileSource[dict[str, Any]]):
         index = int(np.searchsorted(self._batch_starts, start, side="right")) - 1
         row = start - int(self._batch_starts[index])
         batch = self._batch(index)
-        return batch.slice(row, min(count, batch.num_rows - row)).to_pylist()  # type: ignore[no-any-return]
+        rows: list[dict[str, Any]] = batch.slice(row, min(count, batch.num_rows - row)).to_pylist()
+        return rows
 
     def _raw_at(self, indices: np.ndarray) -> Sequence[dict[str, Any]]:
         return group_take(indices, self._batch_starts, self._batch)
@@ -198,18 +199,20 @@ class HfSource(FileSource[dict[str, Any]]):
             features.decode_example if any(require_decoding(f) for f in features.values()) else None
         )
 
-    def _open_table(self) -> None:
+    def _open_table(self) -> list[pa.RecordBatch]:
         """Record batches of the dataset's table (zero-copy views), the cache files each is
-        mapped from, and its indices mapping (copied: read once, here, after checking the files)."""
+        mapped from, and its indices mapping (copied: read once, here, after checking the files).
+        Returns the batches."""
         self._files.check_all()
         table: pa.Table = self.dataset.data.table
-        self._batches = [batch for batch in table.to_batches() if batch.num_rows]
-        self._valid = [False] * len(self._batches)
-        self._batch_starts = _offsets([batch.num_rows for batch in self._batches])
+        batches = self._batches = [batch for batch in table.to_batches() if batch.num_rows]
+        self._valid = [False] * len(batches)
+        self._batch_starts = _offsets([batch.num_rows for batch in batches])
         watched = {fingerprint[NAME]: file for file, fingerprint in enumerate(self._files.fingerprints)}
         self._batch_files = _mapped_files(self.dataset.data, self._batch_starts, watched)
         mapping = self.dataset._indices
         self._rows = None if mapping is None else mapping.column(0).to_numpy().astype(np.int64)
+        return batches
 
     def __len__(self) -> int:
         return self._total
@@ -238,9 +241,8 @@ class HfSource(FileSource[dict[str, Any]]):
     def _batch(self, index: int) -> pa.RecordBatch:
         """Record batch ``index`` of the dataset's table, validated on first use. Its files are
         checked by the caller (``_check_files``)."""
-        if self._batches is None:
-            self._open_table()
-        batch = self._batches[index]  # type: ignore[index]
+        batches = self._batches if self._batches is not None else self._open_table()
+        batch = batches[index]
         if not self._valid[index]:
             with reading(f"{self.kind}: cannot read record batch {index} of dataset {self._fingerprint}"):
                 batch.validate(full=True)
@@ -261,7 +263,8 @@ class HfSource(FileSource[dict[str, Any]]):
         row = start - int(self._batch_starts[index])
         self._check_files((index,))
         batch = self._batch(index)
-        return batch.slice(row, min(count, batch.num_rows - row)).to_pylist()  # type: ignore[no-any-return]
+        rows: list[dict[str, Any]] = batch.slice(row, min(count, batch.num_rows - row)).to_pylist()
+        return rows
 
     def _raw_at(self, indices: np.ndarray) -> Sequence[dict[str, Any]]:
         rows = self._table_rows(indices)

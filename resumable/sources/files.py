@@ -28,7 +28,8 @@ Paths = Union[PathLike, Sequence[PathLike]]
 FILES = "files"
 """State key of a source's fingerprints."""
 
-Fingerprint = list  # [path, size, mtime_ns, digest or None], JSON-friendly
+Fingerprint = list[Any]
+"""``[path, size, mtime_ns, digest or None]``: a list, as a JSON state holds it."""
 Digest = Callable[[str], Optional[str]]
 """The content digest of the file at a path, or None where the format has no cheap one."""
 

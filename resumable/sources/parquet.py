@@ -57,7 +57,8 @@ def group_take(
     unique = np.unique(pieces)
     if unique.size == 1:
         piece = int(unique[0])
-        return load(piece).take(indices - starts[piece]).to_pylist()  # type: ignore[no-any-return]
+        rows: list[dict[str, Any]] = load(piece).take(indices - starts[piece]).to_pylist()
+        return rows
     order = unique.tolist()
     if is_cached is not None:
         order.sort(key=lambda piece: not is_cached(piece))
@@ -192,7 +193,8 @@ class ParquetSource(FileSource[dict[str, Any]]):
         group = int(np.searchsorted(self._group_starts, start, side="right")) - 1
         row = start - int(self._group_starts[group])
         table = self._row_group(group)
-        return table.slice(row, min(count, table.num_rows - row)).to_pylist()  # type: ignore[no-any-return]
+        rows: list[dict[str, Any]] = table.slice(row, min(count, table.num_rows - row)).to_pylist()
+        return rows
 
     def _raw_at(self, indices: np.ndarray) -> Sequence[dict[str, Any]]:
         groups = np.unique(np.searchsorted(self._group_starts, indices, side="right") - 1).tolist()

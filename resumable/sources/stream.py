@@ -11,9 +11,10 @@ decompresses up to the offset (gzip has no random access); plain files seek.
 from __future__ import annotations
 
 import gzip
+import io
 import logging
 import os
-from typing import IO, Any, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import orjson
@@ -91,7 +92,7 @@ class JsonlStream(Node[Any]):
         self._epoch = 0
         self._queue: list[list[int]] | None = None  # [file, offset, line] work items; None: not yet assigned
         self._next_queue: list[list[int]] | None = None  # the next epoch's, after a rescale; None: its share
-        self._handle: IO[bytes] | None = None
+        self._handle: io.BufferedIOBase | None = None
         self._last: RecordKey | None = None
         self.skipped = 0
 
@@ -149,7 +150,7 @@ class JsonlStream(Node[Any]):
             return record
         raise StopIteration
 
-    def _open(self, file: int, offset: int) -> IO[bytes]:
+    def _open(self, file: int, offset: int) -> io.BufferedIOBase:
         """Open file ``file`` (checked unchanged) at decompressed byte ``offset``."""
         self._files.check(file)
         path = self.paths[file]
@@ -325,8 +326,8 @@ def _is_gzip(path: str) -> bool:
     return path.endswith(".gz")
 
 
-def _open(path: str) -> IO[bytes]:
-    return gzip.open(path, "rb") if _is_gzip(path) else open(path, "rb")  # type: ignore[return-value]
+def _open(path: str) -> io.BufferedIOBase:
+    return gzip.open(path, "rb") if _is_gzip(path) else open(path, "rb")
 
 
 def gzip_digest(path: str) -> str | None:

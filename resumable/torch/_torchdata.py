@@ -32,7 +32,7 @@ LOADER_HOOKS = ("_iterator", "_get_iterator")
 """Private DataLoader attribute and hook ``rs.torch.Loader`` uses."""
 
 
-class _Bounded(_StatefulBaseDataLoaderIter):
+class _Bounded(_StatefulBaseDataLoaderIter):  # type: ignore[misc]  # torchdata is untyped (Any)
     """Stops with a StateError rather than count a pass's batches (or the indices torchdata
     sends ahead) past ``MAX_COUNT``: every state the Loader saves then loads again."""
 
@@ -51,11 +51,11 @@ class _Bounded(_StatefulBaseDataLoaderIter):
         return super()._next_index()
 
 
-class _SingleProcessIterator(_Bounded, _StatefulSingleProcessDataLoaderIter):
+class _SingleProcessIterator(_Bounded, _StatefulSingleProcessDataLoaderIter):  # type: ignore[misc]  # torchdata is untyped (Any)
     """torchdata's iterator without workers, held to ``MAX_COUNT``."""
 
 
-class _MultiProcessIterator(_Bounded, _StatefulMultiProcessingDataLoaderIter):
+class _MultiProcessIterator(_Bounded, _StatefulMultiProcessingDataLoaderIter):  # type: ignore[misc]  # torchdata is untyped (Any)
     """torchdata's iterator over workers, held to ``MAX_COUNT``."""
 
 

@@ -21,5 +21,5 @@ def save(checkpoint: dict[str, Any], path: str | os.PathLike[str]) -> None:
 
 def load(path: str | os.PathLike[str], map_location: Any = None) -> dict[str, Any]:
     """``torch.load`` with ``weights_only=True``: tensors and plain data, nothing unpickled."""
-    loaded = torch.load(path, map_location=map_location, weights_only=True)
-    return loaded  # type: ignore[no-any-return]
+    loaded: dict[str, Any] = torch.load(path, map_location=map_location, weights_only=True)
+    return loaded

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable, Union
+from typing import Any, Callable, Union, cast
 
 from torch.utils.data import IterableDataset, get_worker_info
 
@@ -54,7 +54,7 @@ class WorkerIterator:
         self.epoch = epoch
 
 
-class PipelineDataset(IterableDataset):  # type: ignore[type-arg]
+class PipelineDataset(IterableDataset[Any]):
     """Each DataLoader worker iterates its own copy of the pipeline, which reads a disjoint
     partition: ``.shard()`` resolves ``rank * num_workers + worker`` inside the worker.
 
@@ -99,7 +99,7 @@ class PipelineDataset(IterableDataset):  # type: ignore[type-arg]
     def pipeline(self) -> Node[Any]:
         """This process's pipeline, built on first use when a factory was given."""
         if self._pipeline is None:
-            built = self._factory()  # type: ignore[misc]
+            built = cast("Callable[[], Node[Any]]", self._factory)()  # set whenever no pipeline was given
             if not isinstance(built, Node):
                 raise ConfigError(f"PipelineDataset: the factory returned {type(built).__name__}, not a pipeline")
             self._pipeline = built

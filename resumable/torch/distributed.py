@@ -48,15 +48,16 @@ def load_all_ranks(checkpoint_id: str | os.PathLike[str], key: str = "data") -> 
     """Every old rank's state from a ``torch.distributed.checkpoint`` saved with
     ``{key: PerRank(...)}``, in rank order: what ``Loader.load_state_dict`` takes to resume
     on another number of ranks. Collective when a process group is initialised."""
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-    metadata = dcp.FileSystemReader(checkpoint_id).read_metadata()
+    metadata = FileSystemReader(checkpoint_id).read_metadata()
     prefix = f"{key}.{rank_key(0)[:-1]}"
     ranks = sorted(int(name[len(prefix) :]) for name in metadata.state_dict_metadata if name.startswith(prefix))
     if ranks != list(range(len(ranks))) or not ranks:
         raise StateError(f"PerRank: checkpoint {checkpoint_id} holds ranks {ranks} under {key!r}, not 0..n-1")
     target: dict[str, Any] = {key: {rank_key(rank): "" for rank in ranks}}
-    dcp.load(target, checkpoint_id=checkpoint_id)
+    dcp_load(target, checkpoint_id=checkpoint_id)
     return [_decode(target[key][rank_key(rank)], f"PerRank: checkpoint {checkpoint_id} rank {rank}") for rank in ranks]
 
 

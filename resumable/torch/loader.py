@@ -7,7 +7,7 @@ import copy
 import functools
 import warnings
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, cast
 
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -38,7 +38,7 @@ from resumable.torch.elastic import factory_of, rescale_for_rank
 DEFAULT_SNAPSHOT_EVERY = 16
 
 
-class Loader(StatefulDataLoader):
+class Loader(StatefulDataLoader):  # type: ignore[misc]  # torchdata is untyped (Any)
     """``torchdata.stateful_dataloader.StatefulDataLoader`` over a pipeline that batches itself.
 
     Each worker iterates its own partition of the pipeline (``.shard()`` splits by worker).
@@ -62,6 +62,7 @@ class Loader(StatefulDataLoader):
     """
 
     next_iter_state: dict[str, Any] | None  # torchdata's: the state the next iterator restores
+    dataset: PipelineDataset  # torchdata's, set to the PipelineDataset built here
 
     def __init__(
         self,
@@ -110,8 +111,8 @@ class Loader(StatefulDataLoader):
 
     def __iter__(self) -> Any:
         epoch = self._next_epoch() if self._next_iter_advances else self._epoch
-        rescaled = self.dataset.rescaled is not None  # type: ignore[attr-defined]
-        self.dataset.set_epoch(epoch)  # type: ignore[attr-defined]
+        rescaled = self.dataset.rescaled is not None
+        self.dataset.set_epoch(epoch)
         try:
             iterator = super().__iter__()
         except StopIteration as error:  # torchdata's replay of the batches since the snapshot ran out
@@ -122,7 +123,7 @@ class Loader(StatefulDataLoader):
             raise
         self._epoch, self._next_iter_advances, self._loaded = epoch, True, None
         if rescaled and self.num_workers:
-            self.dataset.rescaled = None  # type: ignore[attr-defined]  # the workers have their copies
+            self.dataset.rescaled = None  # the workers have their copies
         return iterator
 
     def _next_epoch(self) -> int:
@@ -135,7 +136,7 @@ class Loader(StatefulDataLoader):
         """The error for a loaded state that counts more batches since its snapshot than the
         workers hold: torchdata's replay of those batches ran out of data. The loaded state
         stays as it was (and the half-started workers are stopped)."""
-        loaded: dict[str, Any] = self._loaded  # type: ignore[assignment]  # only a resumed state replays
+        loaded = cast("dict[str, Any]", self._loaded)  # only a resumed state replays
         steps, snapshot = loaded[LOADER][STEPS_SINCE], loaded[LOADER][SNAPSHOT][SNAPSHOT_STEP]
         return StateError(
             f"Loader rank {loaded[RANK]}/{loaded[WORLD_SIZE]} at {LOADER}: the state counts more batches than its "
@@ -178,7 +179,7 @@ class Loader(StatefulDataLoader):
         if _torchdata.current_iterator(self) is None:  # torchdata starts the next pass to read its initial state
             if self._next_iter_advances:
                 self._epoch, self._next_iter_advances = self._next_epoch(), False
-            self.dataset.set_epoch(self._epoch)  # type: ignore[attr-defined]
+            self.dataset.set_epoch(self._epoch)
         rank, world_size = distributed_rank()
         return {
             FORMAT: FORMAT_NAME,
@@ -238,8 +239,7 @@ class Loader(StatefulDataLoader):
         finished = all(old.finished for old in olds)  # then the next iter() starts the next epoch afresh
         rescaled = None
         if not finished:
-            dataset: PipelineDataset = self.dataset  # type: ignore[assignment]
-            build = factory_of(dataset._pipeline, dataset._factory)
+            build = factory_of(self.dataset._pipeline, self.dataset._factory)
             rescaled = rescale_for_rank(build, olds, rank, world_size, self.num_workers)
         self._set_position(epochs[0], finished, None, rescaled, None)
 
@@ -259,7 +259,7 @@ class Loader(StatefulDataLoader):
         """Where the next ``iter()`` goes: drop the current pass, then set every piece at once."""
         super().load_state_dict(resume if resume is not None else {})  # {} only drops the current pass
         self.next_iter_state = resume
-        self.dataset.rescaled = rescaled  # type: ignore[attr-defined]
+        self.dataset.rescaled = rescaled
         self._epoch, self._next_iter_advances, self._loaded = epoch, next_iter_advances, loaded
 
 

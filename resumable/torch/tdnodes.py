@@ -36,7 +36,7 @@ YIELDED = "yielded"
 TORCHDATA = "torchdata"
 
 
-class ToTorchdata(BaseNode[T]):
+class ToTorchdata(BaseNode[T]):  # type: ignore[misc]  # torchdata is untyped (Any)
     """A resumable pipeline as a ``torchdata.nodes.BaseNode``.
 
     * ``reset(None)`` on first use keeps the pipeline where it is (fresh, or restored with
@@ -121,7 +121,7 @@ class FromTorchdata(Node[T]):
         return f"{self.kind}({type(self.base_node).__name__})"
 
     def _next(self) -> T:
-        item = next(self.base_node)
+        item: T = next(self.base_node)
         self._yielded += 1
         return item
 

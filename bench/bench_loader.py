@@ -49,7 +49,7 @@ def build() -> rs.Node:
     )
 
 
-class PlainDataset(IterableDataset):  # type: ignore[type-arg]
+class PlainDataset(IterableDataset):  # type: ignore[type-arg]  # torch's generic dataset, over plain dicts
     """The same pipeline as a plain IterableDataset: iterated, never asked for its state."""
 
     def __iter__(self) -> Iterator[Any]:

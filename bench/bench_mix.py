@@ -55,9 +55,9 @@ def main() -> None:
         start = time.perf_counter()
         build(items, components, schedule).set_state(state)
         set_ms = (time.perf_counter() - start) * 1e3
-        weights = pipe.weights  # type: ignore[attr-defined]
+        weights = pipe.weights  # type: ignore[attr-defined]  # the pipeline is a Mix
         total = sum(weights.values())
-        shares = pipe.proportions.items()  # type: ignore[attr-defined]
+        shares = pipe.proportions.items()  # type: ignore[attr-defined]  # the pipeline is a Mix
         error = max(abs(share - weights[name] / total) for name, share in shares)
         print(
             f"mix of {components} ({schedule:6})     {cost:8.3f} us/item  (+{cost - alone:.3f})  "

@@ -31,7 +31,7 @@ def signal_a_worker(sender: str) -> None:
     loader = Loader(build, num_workers=2, prefetch_factor=2, persistent_workers=True)
     iterator = iter(loader)
     next(iterator)
-    workers = iterator._workers  # type: ignore[attr-defined]
+    workers = iterator._workers  # type: ignore[attr-defined]  # torchdata's private worker list
     print(" ".join(str(w.pid) for w in workers), flush=True)
     sys.stdin.readline()
     if sender == "parent":

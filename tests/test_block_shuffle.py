@@ -78,7 +78,7 @@ def test_row_group_blocks_read_each_row_group_about_once(tmp_path: Path) -> None
         decoded.append(group)
         return original(group, private_handle)
 
-    source._read_row_group = spy  # type: ignore[method-assign]
+    source._read_row_group = spy  # type: ignore[method-assign]  # a spy on the source
     shuffled = source.shuffle(seed=5, block_size="row_group", window=3)
     assert isinstance(shuffled, BlockShuffle)
     assert shuffled.num_blocks == 10 and source.cache_row_groups >= 3
@@ -90,7 +90,7 @@ def test_row_group_blocks_read_each_row_group_about_once(tmp_path: Path) -> None
 def test_defaults_and_natural_blocks_through_maps(tmp_path: Path) -> None:
     pq.write_table(pa.table({"id": list(range(50))}), str(tmp_path / "a.parquet"), row_group_size=20)
     mapped = parquet(str(tmp_path / "a.parquet")).map(lambda r: r["id"]).shuffle(seed=1, window=2)
-    assert mapped.get_state()["block_size"] == "row_group" and mapped.num_blocks == 3  # type: ignore[attr-defined]
+    assert mapped.get_state()["block_size"] == "row_group" and mapped.num_blocks == 3  # type: ignore[attr-defined]  # the node is a BlockShuffle
     assert sorted(mapped) == list(range(50))
     plain = from_list(list(range(3000))).shuffle(seed=1, window=1)
     state = plain.get_state()

@@ -194,7 +194,7 @@ def test_fingerprint_separates_pipelines(tmp_path: Path) -> None:
 
 def test_stray_temp_and_corrupt_blocks_are_ignored(tmp_path: Path) -> None:
     first = take(disk_pipe(tmp_path), N)
-    root = Path(disk_pipe(tmp_path).path)  # type: ignore[arg-type]
+    root = Path(disk_pipe(tmp_path).path)  # type: ignore[arg-type]  # a disk cache: its path is set
     (root / f".{block_name(0, BLOCK)}.abc.tmp").write_bytes(b"partial")
     (root / block_name(BLOCK, 2 * BLOCK)).write_bytes(b"not arrow")  # a damaged block
     counter = Counter()

@@ -279,7 +279,7 @@ def build(up: str, down: str, consumer: int, consumers: int, kind: str = "list")
 
 
 def roundtrip(state: dict[str, Any]) -> dict[str, Any]:
-    return json.loads(json.dumps(state))  # type: ignore[no-any-return]
+    return json.loads(json.dumps(state))  # type: ignore[no-any-return]  # JSON of a dict is a dict
 
 
 def take(pipe: rs.Node, count: int) -> list[Any]:

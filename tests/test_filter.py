@@ -36,4 +36,4 @@ def test_dropped_resets_each_epoch() -> None:
 
 def test_filter_rejects_non_callable() -> None:
     with pytest.raises(rs.ConfigError):
-        rs.from_list([1]).filter(None)  # type: ignore[arg-type]
+        rs.from_list([1]).filter(None)  # type: ignore[arg-type]  # deliberately wrong, to test the check

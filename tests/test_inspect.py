@@ -179,7 +179,7 @@ def test_pipeline_option_imports_the_factory_and_reports_bad_ones(
         "def not_a_pipeline():\n    return [1]\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    from my_pipeline import build  # type: ignore[import-not-found]
+    from my_pipeline import build  # type: ignore[import-not-found]  # written by the test at run time
 
     loader = rst.Loader(build, 2, snapshot_every_n_steps=4)
     iterator = iter(loader)

@@ -252,7 +252,7 @@ def test_property_permutation_and_scalar_agreement(
 )
 def test_property_invalid_n_raises_config_error(n: object) -> None:
     with pytest.raises(ConfigError):
-        Permutation(n, 0)  # type: ignore[arg-type]
+        Permutation(n, 0)  # type: ignore[arg-type]  # deliberately wrong, to test the check
 
 
 @given(
@@ -262,7 +262,7 @@ def test_property_invalid_n_raises_config_error(n: object) -> None:
 def test_property_invalid_seed_or_epoch_raises_config_error(bad: object, which: str) -> None:
     kwargs = {"n": 10, "seed": 1, "epoch": 0, which: bad}
     with pytest.raises(ConfigError):
-        Permutation(**kwargs)  # type: ignore[arg-type]
+        Permutation(**kwargs)  # type: ignore[arg-type]  # deliberately wrong, to test the check
 
 
 def test_invalid_indices_and_chunk_size() -> None:
@@ -272,7 +272,7 @@ def test_invalid_indices_and_chunk_size() -> None:
     with pytest.raises(IndexError):
         p.take(np.array([True, False]))
     with pytest.raises(TypeError):
-        p(1.5)  # type: ignore[arg-type]
+        p(1.5)  # type: ignore[arg-type]  # deliberately wrong, to test the check
     with pytest.raises(IndexError):
         Permutation(0, 1)(0)
     # Validated at the call, before any chunk is requested.

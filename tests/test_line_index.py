@@ -153,7 +153,7 @@ def test_default_chunk_size_is_read_at_call_time(tmp_path: Path, monkeypatch: py
 @pytest.mark.parametrize("chunk_size", [0, -1, 1.5, True])
 def test_bad_chunk_size(tmp_path: Path, chunk_size: object) -> None:
     with pytest.raises(ConfigError):
-        LineIndex.build(write(tmp_path, b"1\n"), chunk_size=chunk_size)  # type: ignore[arg-type]
+        LineIndex.build(write(tmp_path, b"1\n"), chunk_size=chunk_size)  # type: ignore[arg-type]  # deliberately wrong, to test the check
 
 
 def test_benchmark_corpus(tmp_path: Path) -> None:
@@ -216,7 +216,7 @@ def forbid_build(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def count_builds(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     calls: list[str] = []
-    original = LineIndex.build.__func__  # type: ignore[attr-defined]
+    original = LineIndex.build.__func__  # type: ignore[attr-defined]  # the function behind the classmethod, to wrap it
 
     def counting(cls: type[LineIndex], path: str, *args: object, **kwargs: object) -> LineIndex:
         calls.append(path)

@@ -152,9 +152,9 @@ def test_invalid_arguments() -> None:
         Loader(build, num_workers=-1)
     for every in (0, None, 2.0, True, 10_001):
         with pytest.raises(rs.ConfigError, match="snapshot_every_n_steps must be an int in \\[1, 10000\\]"):
-            Loader(build, num_workers=2, snapshot_every_n_steps=every)  # type: ignore[arg-type]
+            Loader(build, num_workers=2, snapshot_every_n_steps=every)  # type: ignore[arg-type]  # deliberately wrong, to test the check
     with pytest.raises(rs.ConfigError, match="expected a pipeline or a function"):
-        PipelineDataset(3)  # type: ignore[arg-type]
+        PipelineDataset(3)  # type: ignore[arg-type]  # deliberately wrong, to test the check
 
 
 def test_state_of_another_pipeline_is_a_state_error_naming_the_node() -> None:
@@ -289,7 +289,7 @@ def test_state_key_names_are_torchdata_s() -> None:
         multi._NUM_WORKERS,
         multi._BASE_SEED,
     )
-    assert multi._worker_key(None, 3) == f"{keys.WORKER_PREFIX}3"  # type: ignore[arg-type]
+    assert multi._worker_key(None, 3) == f"{keys.WORKER_PREFIX}3"  # type: ignore[arg-type]  # torchdata's private helper takes None
     assert (keys.WORKER_ID, keys.FETCHER_STATE, keys.FETCHER_ENDED, keys.DATASET_STATE, keys.ITER_STATE) == (
         incremental_state._WORKER_ID,
         incremental_state._FETCHER_STATE,
@@ -388,7 +388,7 @@ def test_corrupt_states_are_state_errors_naming_the_field_and_change_nothing(num
             loader.load_state_dict([bad])
     for wrong in (None, 3, "state"):
         with pytest.raises(rs.StateError):
-            loader.load_state_dict(wrong)  # type: ignore[arg-type]
+            loader.load_state_dict(wrong)  # type: ignore[arg-type]  # deliberately wrong, to test the check
     assert loader.state_dict() == before
     assert head + [as_lists(batch) for batch in iterator] == expected
     loader.load_state_dict(state)

@@ -44,4 +44,4 @@ def test_map_runs_only_on_items_handed_out() -> None:
 
 def test_map_rejects_non_callable() -> None:
     with pytest.raises(rs.ConfigError, match="IndexedMap: expected a callable"):
-        rs.from_list([1]).map(3)  # type: ignore[arg-type]
+        rs.from_list([1]).map(3)  # type: ignore[arg-type]  # deliberately wrong, to test the check

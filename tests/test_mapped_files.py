@@ -49,7 +49,7 @@ def run_child(code: str, directory: Path) -> dict[str, Any]:
         [sys.executable, "-c", script, str(directory)], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert child.returncode == 0, f"child exited with {child.returncode}: {child.stderr[-2000:]}"
-    return json.loads(child.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+    return json.loads(child.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]  # the child prints a JSON dict
 
 
 @pytest.mark.parametrize("opened", ["built", "loaded"])

@@ -221,7 +221,7 @@ def test_smooth_schedule_tracks_the_target_at_every_step() -> None:
     counts = dict.fromkeys(weights, 0)
     for step in range(1, 1001):
         next(pipe)
-        counts[pipe.last_component] += 1  # type: ignore[index]
+        counts[pipe.last_component] += 1  # type: ignore[index]  # set once an item was handed out
         for name, weight in weights.items():
             assert abs(counts[name] - step * weight / 10) < 2
 
@@ -268,7 +268,7 @@ def tokenized(offset: int, count: int) -> list[dict[str, Any]]:
 
 
 def rows_as_lists(row: dict[str, Any]) -> list[int]:
-    return row["input_ids"][row["document_ids"] > 0].tolist()  # type: ignore[no-any-return]
+    return row["input_ids"][row["document_ids"] > 0].tolist()  # type: ignore[no-any-return]  # a row of int64 arrays
 
 
 PACK_AFTER_MIX: dict[str, Callable[[str], Node[Any]]] = {
@@ -382,7 +382,7 @@ def test_invalid_scalars_raise_config_error() -> None:
     node = rs.from_list([1])
     for options in ({"seed": -1}, {"seed": 1.5}, {"on_end": "loop"}, {"schedule": "fifo"}):
         with pytest.raises(rs.ConfigError):
-            mix({"a": rs.from_list([1])}, **options)  # type: ignore[arg-type]
+            mix({"a": rs.from_list([1])}, **options)  # type: ignore[arg-type]  # deliberately wrong, to test the check
     with pytest.raises(rs.ConfigError, match="twice"):
         mix({"a": node, "b": node})
     with pytest.raises(rs.ConfigError):
@@ -419,7 +419,7 @@ def test_nested_mix_and_repeat_resume_exactly() -> None:
         outer = mix({"inner": inner, "books": books()}, weights={"inner": 4, "books": 1}, seed=9, on_end="drop")
         return outer.repeat(3)
 
-    per_epoch = len(list(build().upstream))  # type: ignore[arg-type]
+    per_epoch = len(list(build().upstream))  # type: ignore[arg-type]  # the repeat has an upstream
     for k in (0, per_epoch - 1, per_epoch, per_epoch + 3):
         check_resume(build, k, 3 * per_epoch)
     state = build().get_state()

@@ -214,7 +214,7 @@ def test_a_restore_fetches_only_the_buffered_records(strategy: str) -> None:
     pipe = build()
     take(pipe, 150)
     state = pipe.get_state()
-    pending = len(pipe.upstream.pending_keys())  # type: ignore[attr-defined]
+    pending = len(pipe.upstream.pending_keys())  # type: ignore[attr-defined]  # the upstream is the Pack
     fresh = build()
     CountingList.reads = 0
     fresh.set_state(json.loads(json.dumps(state)))
@@ -268,6 +268,6 @@ def test_malformed_lines_are_skipped_by_every_strategy_with_on_error_skip(
     tokens = sorted(int(t) for row in rows for t in row["input_ids"][row["document_ids"] > 0])
     good = [json.loads(line) for line in lines if "broken" not in line]
     assert tokens == sorted(t for record in good for t in record["input_ids"])
-    assert pipe.upstream.upstream.stats["skipped"] >= 3  # type: ignore[union-attr]
+    assert pipe.upstream.upstream.stats["skipped"] >= 3  # type: ignore[union-attr]  # the chain ends in a JsonlSource
     for k in (0, 1, len(rows) // 2, len(rows)):
         check_resume(lambda: build().map(as_lists), k, len(rows) + 3)

@@ -247,7 +247,7 @@ def test_mode_and_fn_are_validated() -> None:
     with pytest.raises(rs.ConfigError, match="mode"):
         rs.from_list([1]).map(square, num_workers=2, mode="gpu")
     with pytest.raises(rs.ConfigError, match="callable"):
-        ParallelMap(rs.from_list([1]), None, num_workers=2)  # type: ignore[arg-type]
+        ParallelMap(rs.from_list([1]), None, num_workers=2)  # type: ignore[arg-type]  # deliberately wrong, to test the check
     with pytest.raises(rs.ConfigError, match="picklable"):
         rs.from_list([1]).map(lambda x: x, num_workers=2, mode="process")
 

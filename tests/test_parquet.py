@@ -47,7 +47,7 @@ def test_columns_select_and_unknown_column_fails(tmp_path: Path) -> None:
     with pytest.raises(rs.SourceError, match=r"no column\(s\) \['nope'\]"):
         parquet(pattern, columns=["id", "nope"])
     with pytest.raises(rs.ConfigError, match="columns"):
-        parquet(pattern, columns="id")  # type: ignore[arg-type]
+        parquet(pattern, columns="id")  # type: ignore[arg-type]  # deliberately wrong, to test the check
     with pytest.raises(rs.ConfigError, match="cache_row_groups"):
         parquet(pattern, cache_row_groups=0)
 
@@ -69,7 +69,7 @@ def test_sequential_read_never_decodes_earlier_row_groups(tmp_path: Path) -> Non
         decoded.append(group)
         return original(group, private_handle)
 
-    source._read_row_group = spy  # type: ignore[method-assign]
+    source._read_row_group = spy  # type: ignore[method-assign]  # a spy on the source
     state = parquet(pattern).get_state()
     state["position"] = 70
     source.set_state(state)

@@ -19,10 +19,10 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 STEPS = 90
 
 
-def load_demo():  # type: ignore[no-untyped-def]
+def load_demo():  # type: ignore[no-untyped-def]  # returns the demo module
     spec = importlib.util.spec_from_file_location("resumable_demo", EXAMPLES / "demo.py")
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]  # the demo file exists
+    spec.loader.exec_module(module)  # type: ignore[union-attr]  # a file spec has a loader
     return module
 
 

@@ -298,7 +298,7 @@ def test_buffer_size_is_validated(size: Any) -> None:
 
 def test_upstream_must_be_a_node() -> None:
     with pytest.raises(rs.ConfigError):
-        Prefetch(iter([1, 2]), 2)  # type: ignore[arg-type]
+        Prefetch(iter([1, 2]), 2)  # type: ignore[arg-type]  # deliberately wrong, to test the check
 
 
 def test_state_from_another_pipeline_is_rejected_and_leaves_node_usable() -> None:

@@ -75,7 +75,7 @@ def test_foreign_or_corrupt_state_raises_state_error_naming_the_node(mutate, mes
 
 def test_state_error_is_a_resumable_error_not_an_assertion() -> None:
     with pytest.raises(rs.ResumableError):
-        pipeline().set_state("not a state")  # type: ignore[arg-type]
+        pipeline().set_state("not a state")  # type: ignore[arg-type]  # deliberately wrong, to test the check
 
 
 def test_failed_restore_leaves_the_pipeline_untouched() -> None:
@@ -129,7 +129,7 @@ def test_a_loader_state_given_to_a_pipeline_says_what_to_call() -> None:
     with pytest.raises(rs.StateError, match=r"rs.torch.Loader .* loader.load_state_dict"):
         pipe.set_state({FORMAT: FORMAT_NAME, "epoch": 0, "loader": {}})
     with pytest.raises(rs.StateError, match="resumable.elastic.restore"):
-        pipe.set_state([pipe.get_state()])  # type: ignore[arg-type]
+        pipe.set_state([pipe.get_state()])  # type: ignore[arg-type]  # deliberately wrong, to test the check
     assert next(pipe) == [0, 1]
 
 

@@ -187,8 +187,8 @@ def test_from_torchdata_chains_resume_exactly(name: str) -> None:
 def shuffled_per_pass() -> FromTorchdata[int]:
     """A torchdata graph that reshuffles every pass: SamplerWrapper calls set_epoch on reset."""
     data = list(range(16))
-    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=3)  # type: ignore[arg-type]
-    return FromTorchdata(MapStyleWrapper(data, sampler))  # type: ignore[arg-type]
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=3)  # type: ignore[arg-type]  # a list is a sized dataset
+    return FromTorchdata(MapStyleWrapper(data, sampler))  # type: ignore[arg-type]  # a list is a map-style dataset
 
 
 def test_torchdata_sampler_epochs_resume_exactly() -> None:

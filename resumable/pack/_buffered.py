@@ -30,6 +30,7 @@ from resumable.pack.strategies import Packer, Row
 
 if TYPE_CHECKING:
     from resumable.core.node import Node
+    from resumable.pack._documents import Documents
     from resumable.pack.node import Pack
 
 
@@ -39,9 +40,12 @@ class BufferedRows:
     document (``span``), pieces inherited in a rescale (packed before the upstream's), and the
     epoch's counters."""
 
-    def __init__(self, pack: Pack, packer: Packer, counts: dict[str, int] | None = None) -> None:
-        self._pack = pack
-        self._seq_len = pack.seq_len
+    def __init__(
+        self, upstream: Node[Any], documents: Documents, packer: Packer, counts: dict[str, int] | None = None
+    ) -> None:
+        self._upstream = upstream
+        self._documents = documents
+        self._seq_len = documents.seq_len
         self.counts = dict.fromkeys(COUNTERS, 0) if counts is None else counts
         self._packer = packer
         self._pieces: dict[int, Piece] = {}
@@ -74,8 +78,7 @@ class BufferedRows:
             full = held.start + (held.end - held.start) // self._seq_len * self._seq_len
             self._add(held.key, held.start, full, held.end, held.tokens, held.labels)
             return
-        pack = self._pack
-        upstream = pack.upstream
+        upstream, documents = self._upstream, self._documents
         try:
             record = next(upstream)
         except StopIteration:
@@ -84,9 +87,9 @@ class BufferedRows:
             return
         key = upstream.last_key()
         if key is None:
-            raise ConfigError(untraceable(pack.kind, upstream))
-        tokens, labels = pack._read(record, key)
-        full, end = pack._cut(len(tokens), self.counts)
+            raise ConfigError(untraceable(documents.kind, upstream))
+        tokens, labels = documents.read(record, key)
+        full, end = documents.cut(len(tokens), self.counts)
         if not end:
             self._check_barren(key)
             return
@@ -124,15 +127,15 @@ class BufferedRows:
             if not set(mix.eligible) <= barren:
                 return
         where = f" of mix component {'/'.join(map(str, origin))}" if origin else ""
-        pack = self._pack
+        documents = self._documents
         raise SourceError(
-            f"{pack.kind}: no document of epoch {first + 1}{where} has tokens to pack (all are empty"
-            f"{' or dropped as longer than seq_len' if pack.overlong == 'drop' else ''}), so no row can come"
+            f"{documents.kind}: no document of epoch {first + 1}{where} has tokens to pack (all are empty"
+            f"{' or dropped as longer than seq_len' if documents.overlong == 'drop' else ''}), so no row can come"
         )
 
     def _upstream_mix(self) -> Mix[Any] | None:
         """The mix the packer's documents come from, through pass-through nodes, if any."""
-        node: Node[Any] | None = self._pack.upstream
+        node: Node[Any] | None = self._upstream
         while node is not None and not isinstance(node, Mix):
             node = node.upstream
         return node
@@ -197,7 +200,7 @@ class BufferedRows:
         exhausted = require(state, EXHAUSTED, bool, path)
 
         inherited_refs = require(state, INHERITED, list, path)
-        fetcher = Refetcher(pack.upstream.fetch_many, pack._read, path)
+        fetcher = Refetcher(pack.upstream.fetch_many, pack._documents.read, path)
         fetcher.fetch(
             [(entry, OPEN) for group in open_groups for entry in group]
             + [(entry, READY) for row in ready_rows for entry in row]
@@ -233,7 +236,7 @@ class BufferedRows:
             packer.restore([[(item, pieces[item].end - pieces[item].start) for item in group] for group in groups])
         except ValueError as exc:
             raise StateError(f"{path}: the {OPEN} groups do not fit strategy {pack.strategy!r}: {exc}") from exc
-        rows = cls(pack, packer, counts)
+        rows = cls(pack.upstream, pack._documents, packer, counts)
         rows._pieces, rows._next_id = pieces, len(pieces)
         rows._ready, rows._span, rows._exhausted = ready, span, exhausted
         rows._inherited = inherited

@@ -26,6 +26,7 @@ from resumable.pack.epoch import NO_INHERITED_ROWS, InheritedRows, Plan, Stride,
 from resumable.pack.rows import Segment
 
 if TYPE_CHECKING:
+    from resumable.pack._documents import Documents
     from resumable.pack.node import Pack
 
 
@@ -36,21 +37,35 @@ class PlannedRows:
 
     def __init__(
         self,
-        pack: Pack,
+        upstream: IndexedNode[Any],
+        documents: Documents,
+        max_documents: int | None,
         counts: dict[str, int] | None = None,
         inherited: InheritedRows = NO_INHERITED_ROWS,
         plan: Plan | None = None,
         emitted: int = 0,
     ) -> None:
-        self._pack = pack
-        # Pack refuses a whole-epoch plan over an upstream that is not indexed.
-        self._upstream = cast("IndexedNode[Any]", pack.upstream)
+        self._upstream = upstream
+        self._documents = documents
+        self._max_documents = max_documents
         self.counts = dict.fromkeys(COUNTERS, 0) if counts is None else counts
         self._plan = plan
         self._emitted = emitted
         self.inherited = inherited
         self._inherited_now = inherited.count(self.epoch)  # the inherited rows of this epoch, the first ones
         self._cached: tuple[RecordKey, Arrays] | None = None
+
+    @classmethod
+    def fresh(
+        cls,
+        pack: Pack,
+        inherited: InheritedRows = NO_INHERITED_ROWS,
+        counts: dict[str, int] | None = None,
+        plan: Plan | None = None,
+        emitted: int = 0,
+    ) -> PlannedRows:
+        """``pack``'s rows of the upstream's epoch: none handed out yet unless ``emitted``."""
+        return cls(indexed_upstream(pack), pack._documents, pack.max_documents, counts, inherited, plan, emitted)
 
     @property
     def epoch(self) -> int:
@@ -64,7 +79,7 @@ class PlannedRows:
             pieces = self.inherited.row(self._emitted)
         else:
             if self._plan is None:
-                self._plan = make_plan(self._pack, epoch, self._own_records(epoch))
+                self._plan = make_plan(self._documents, self._max_documents, epoch, self._own_records(epoch))
                 self.counts.update(self._plan.counts)
             plan, row = self._plan, self._emitted - self._inherited_now
             if row == plan.rows:
@@ -75,7 +90,7 @@ class PlannedRows:
             tokens, labels = self._fetch_cached((key_epoch, record))
             segments.append(Segment(tokens, labels, start, end))
         self._emitted += 1
-        count_row(self.counts, segments, self._pack.seq_len)
+        count_row(self.counts, segments, self._documents.seq_len)
         return segments
 
     def _own_records(self, epoch: int) -> Iterator[tuple[int, Any]]:
@@ -86,7 +101,7 @@ class PlannedRows:
     def _fetch_cached(self, key: RecordKey) -> Arrays:
         """A record's arrays; the last one is kept, as a long document's rows come in a row."""
         if self._cached is None or self._cached[0] != key:
-            self._cached = (key, self._pack._read(self._upstream.fetch(key), key))
+            self._cached = (key, self._documents.read(self._upstream.fetch(key), key))
         return self._cached[1]
 
     def pending_keys(self) -> list[RecordKey]:
@@ -114,7 +129,7 @@ class PlannedRows:
         """Plan the saved epoch again (one pass over its records) if it was planned or rows of
         it were handed out, check the inherited rows still to hand out against their records, and
         skip the rows handed out."""
-        fresh = cls(pack)
+        fresh = cls.fresh(pack)
         epoch = fresh.epoch
         emitted = require_count(state, EMITTED, path)
         inherited = saved_inherited(pack, state, epoch, path)
@@ -123,13 +138,13 @@ class PlannedRows:
         plan = None
         if planned is not None or emitted > now:
             try:
-                plan = make_plan(pack, epoch, fresh._own_records(epoch))
+                plan = make_plan(pack._documents, pack.max_documents, epoch, fresh._own_records(epoch))
             except (IndexError, ResumableError) as exc:
                 raise StateError(f"{path}: cannot plan epoch {epoch} again: {exc}") from exc
             check_plan_rows(plan.rows, planned, emitted - now, path)
             counts.update(plan.counts)
         check_inherited(pack, inherited, min(emitted, now), path)
-        return cls(pack, counts, inherited, plan, emitted)
+        return cls.fresh(pack, inherited, counts, plan, emitted)
 
     @staticmethod
     def rescaled(
@@ -177,16 +192,23 @@ class PlannedRows:
         return moved
 
 
-def make_plan(pack: Pack, epoch: int, records: Iterator[tuple[int, Any]]) -> Plan:
+def indexed_upstream(pack: Pack) -> IndexedNode[Any]:
+    """The upstream of a packer that plans whole epochs."""
+    return cast("IndexedNode[Any]", pack.upstream)  # Pack refuses a whole-epoch plan over any other
+
+
+def make_plan(
+    documents: Documents, max_documents: int | None, epoch: int, records: Iterator[tuple[int, Any]]
+) -> Plan:
     """Learn the length of every ``(leaf index, record)`` of the epoch and pack them."""
     counts = dict.fromkeys(DOCUMENT_COUNTERS, 0)
     kept: list[tuple[int, int, int]] = []  # (record index, full, end) of documents with tokens
     for index, record in records:
-        tokens, _ = pack._read(record, (epoch, index))
-        full, end = pack._cut(len(tokens), counts)
+        tokens, _ = documents.read(record, (epoch, index))
+        full, end = documents.cut(len(tokens), counts)
         if end:
             kept.append((index, full, end))
-    return Plan.pack(np.array(kept, dtype=np.int64).reshape(-1, 3), pack.seq_len, pack.max_documents, counts)
+    return Plan.pack(np.array(kept, dtype=np.int64).reshape(-1, 3), documents.seq_len, max_documents, counts)
 
 
 def saved_inherited(pack: Pack, state: dict[str, Any], epoch: int, path: str) -> InheritedRows:
@@ -213,7 +235,7 @@ def check_inherited(pack: Pack, rows: InheritedRows, start: int, path: str) -> N
         for begin in range(0, len(keys), MAX_CHUNK):
             chunk = keys[begin : begin + MAX_CHUNK]
             for key, record in zip(chunk, pack.upstream.fetch_many(chunk)):
-                lengths[key] = len(pack._read(record, key)[0])
+                lengths[key] = len(pack._documents.read(record, key)[0])
     except (IndexError, ResumableError) as exc:
         raise StateError(f"{path}: the records of the {INHERITED} rows cannot be fetched again: {exc}") from exc
     for ref in refs:
@@ -246,8 +268,7 @@ class Leftover:
     def __init__(self, pack: Pack, old: dict[str, Any], consumer: int, num_consumers: int, path: str) -> None:
         pack._check_config(old, path)
         self.upstream = require(old, UPSTREAM, dict, path)
-        # Pack refuses a whole-epoch plan over an upstream that is not indexed.
-        cursor = cast("IndexedNode[Any]", pack.upstream)
+        cursor = indexed_upstream(pack)
         self.stride = Stride.of(cursor, self.upstream, consumer, num_consumers, f"{path} > {cursor.kind}")
         self.epoch = self.stride.epoch
         self.emitted = require_count(old, EMITTED, path)
@@ -293,7 +314,8 @@ class Leftover:
             pack, path = self._pack, self._path
             leaves = self.stride.leaves(path)
             try:
-                plan = make_plan(pack, self.epoch, self._cursor._scan_leaves(leaves, skip=True))
+                records = self._cursor._scan_leaves(leaves, skip=True)
+                plan = make_plan(pack._documents, pack.max_documents, self.epoch, records)
             except (IndexError, ResumableError) as exc:
                 raise StateError(f"{path}: cannot plan epoch {self.epoch} of an old consumer again: {exc}") from exc
             check_plan_rows(plan.rows, self.planned, self.emitted - self.now, path)

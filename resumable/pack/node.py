@@ -8,16 +8,18 @@ components it came through) plus a token range. A restore fetches the whole buff
 ``upstream.fetch_many(keys)`` call, so its cost is bounded by the buffer, never by the position
 in the epoch.
 
-This module holds the node: its options, how a record becomes token arrays and pieces (the
-overlong policy), and the rows. What an epoch holds between the upstream and the rows lives in
-one of two modes: ``_buffered.BufferedRows`` (the streaming strategies) or
-``_planned.PlannedRows`` (a whole-epoch plan, ``strategy="bfd"`` without ``buffer_size``).
+This module holds the node: its options, its state and its rows. How a record becomes token
+arrays and how much of it is kept is ``_documents.Documents``; what an epoch holds between the
+upstream and the rows lives in one of two modes: ``_buffered.BufferedRows`` (the streaming
+strategies) or ``_planned.PlannedRows`` (a whole-epoch plan, ``strategy="bfd"`` without
+``buffer_size``). The modes hold the upstream and the ``Documents``, never the node: a pipeline
+that goes out of scope is freed at once, and its pools and threads stop with it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -25,14 +27,12 @@ from resumable.core.indexed import IndexedNode
 from resumable.core.keys import RecordKey
 from resumable.core.node import Node
 from resumable.core.state import require, require_count
-from resumable.errors import ConfigError, SourceError
+from resumable.errors import ConfigError
 from resumable.pack._buffered import BufferedRows
+from resumable.pack._documents import Documents
 from resumable.pack._entries import (
     BUFFER_SIZE,
     COUNTERS,
-    DOCUMENTS,
-    DROPPED,
-    EMPTY,
     INPUT_FIELD,
     LABELS_FIELD,
     MASK_FIRST_TOKEN,
@@ -40,13 +40,11 @@ from resumable.pack._entries import (
     OVERLONG,
     PAD_TOKEN_ID,
     SEQ_LEN,
-    SPLIT,
     SPLIT_POSITIONS,
     STATS,
     STRATEGY,
-    TRUNCATED,
 )
-from resumable.pack._pieces import Arrays, key_text, untraceable
+from resumable.pack._pieces import untraceable
 from resumable.pack._planned import PlannedRows
 from resumable.pack.rows import RowFormat, collate_rows, cu_seqlens_length
 from resumable.pack.strategies import STRATEGIES, Packer, make_packer
@@ -54,8 +52,6 @@ from resumable.pack.strategies import STRATEGIES, Packer, make_packer
 DEFAULT_BUFFER_SIZE = 1000
 OVERLONG_POLICIES = ("split", "truncate", "drop")
 POSITION_MODES = ("restart", "continue")
-
-INT64_MAX = int(np.iinfo(np.int64).max)  # rows are int64: larger ids would wrap to negative ones
 
 
 @dataclass(frozen=True)
@@ -180,6 +176,7 @@ class Pack(Node[dict[str, np.ndarray]]):
         self.input_field = input_field
         self.labels_field = labels_field
         self.pad_token_id = pad_token_id
+        self._documents = Documents(kind, seq_len, overlong, input_field, labels_field)
         self._format = RowFormat(
             seq_len=seq_len,
             cu_len=cu_seqlens_length(seq_len, max_documents),
@@ -192,9 +189,9 @@ class Pack(Node[dict[str, np.ndarray]]):
     def _reset(self) -> None:
         """Empty buffers and counters: a new epoch."""
         if self.buffer_size is None:
-            self._rows = PlannedRows(self)
+            self._rows = PlannedRows.fresh(self)
         else:
-            self._rows = BufferedRows(self, self._new_packer(self.buffer_size))
+            self._rows = BufferedRows(self.upstream, self._documents, self._new_packer(self.buffer_size))
 
     def _new_packer(self, buffer_size: int) -> Packer:
         """An empty streaming strategy."""
@@ -218,74 +215,6 @@ class Pack(Node[dict[str, np.ndarray]]):
     def _next(self) -> dict[str, np.ndarray]:
         return self._format.build(self._rows.next_segments())
 
-    # -- documents ----------------------------------------------------------------------------
-
-    def _cut(self, length: int, counts: dict[str, int]) -> tuple[int, int]:
-        """Apply the overlong policy to a document of ``length`` tokens and count it.
-
-        Returns ``(full, end)``: tokens ``[0, full)`` make whole rows of their own (a multiple
-        of ``seq_len``), tokens ``[full, end)`` are one piece to pack; ``(0, 0)`` keeps nothing.
-        """
-        seq_len = self.seq_len
-        if length == 0:
-            counts[EMPTY] += 1
-            return 0, 0
-        if length <= seq_len:
-            counts[DOCUMENTS] += 1
-            return (length, length) if length == seq_len else (0, length)
-        if self.overlong == "drop":
-            counts[DROPPED] += 1
-            return 0, 0
-        counts[DOCUMENTS] += 1
-        if self.overlong == "truncate":
-            counts[TRUNCATED] += 1
-            return seq_len, seq_len
-        counts[SPLIT] += 1
-        return length - length % seq_len, length
-
-    def _read(self, record: Any, key: RecordKey) -> Arrays:
-        """The record's token ids (and labels if it has them) as 1-d integer numpy arrays."""
-        field = self.input_field
-        if not isinstance(record, Mapping):
-            raise SourceError(
-                f"{self.kind}: record {key_text(key)} is a {type(record).__name__}, "
-                f"expected a mapping with a {field!r} field"
-            )
-        if field not in record:
-            names = ", ".join(repr(name) for name in list(record)[:8])
-            raise SourceError(
-                f"{self.kind}: record {key_text(key)} has no {field!r} field (it has {names or 'none'}); "
-                "tokenize before pack(), or set input_field"
-            )
-        tokens = self._ids(record[field], key, field)
-        labels_field = self.labels_field
-        if labels_field is None or labels_field not in record:
-            return tokens, None
-        labels = self._ids(record[labels_field], key, labels_field)
-        if len(labels) != len(tokens):
-            raise SourceError(
-                f"{self.kind}: record {key_text(key)} has {len(labels)} {labels_field!r} "
-                f"for {len(tokens)} {field!r}"
-            )
-        return tokens, labels
-
-    def _ids(self, value: Any, key: RecordKey, field: str) -> np.ndarray:
-        try:
-            array = value if isinstance(value, np.ndarray) else np.asarray(value)
-        except (TypeError, ValueError) as exc:
-            raise SourceError(f"{self.kind}: record {key_text(key)} field {field!r} is not an array: {exc}") from exc
-        if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
-            raise SourceError(
-                f"{self.kind}: record {key_text(key)} field {field!r} must be a 1-d sequence of integer ids, "
-                f"got shape {array.shape} of {array.dtype}"
-            )
-        if array.dtype == np.uint64 and array.size and int(array.max()) > INT64_MAX:
-            raise SourceError(
-                f"{self.kind}: record {key_text(key)} field {field!r} holds id {int(array.max())}, above the "
-                f"int64 rows can hold ({INT64_MAX})"
-            )
-        return array
-
     # -- epochs and state --------------------------------------------------------------------
 
     def _on_epoch_start(self) -> None:
@@ -293,7 +222,7 @@ class Pack(Node[dict[str, np.ndarray]]):
         self._reset()
         if isinstance(rows, PlannedRows) and len(rows.inherited):
             # a rescale across an epoch boundary handed over rows of the epoch now starting
-            self._rows = PlannedRows(self, inherited=rows.inherited.of_epoch(rows.epoch))
+            self._rows = PlannedRows.fresh(self, rows.inherited.of_epoch(rows.epoch))
 
     def _config(self) -> dict[str, Any]:
         return {

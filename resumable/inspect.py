@@ -21,7 +21,17 @@ from typing import Any, Callable, Iterator
 
 from resumable.core.indexed import EPOCH, LENGTH, POSITION
 from resumable.core.node import Node
-from resumable.core.state import ENDED, KIND, LOADER_FORMAT, LOADER_FORMAT_PREFIX, UPSTREAM, VERSION, check_json
+from resumable.core.state import (
+    ENDED,
+    INT64_MAX,
+    KIND,
+    LOADER_FORMAT,
+    LOADER_FORMAT_PREFIX,
+    UPSTREAM,
+    VERSION,
+    check_json,
+    is_count,
+)
 from resumable.errors import StateError
 from resumable.loader_state import LoaderState, parse_loader_state
 from resumable.ops.mix import COMPONENTS
@@ -36,7 +46,6 @@ NODE_KEYS = (KIND, VERSION, UPSTREAM)  # a pipeline state holds all of them (a s
 PIECES = (OPEN, READY, INHERITED)  # a packer's references, [*mix component names, epoch, record, start, end]
 UNIX_EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
 # Counts the report shows (cursors, file sizes) fit int64; larger ones are damage.
-INT64_LIMIT = 2**63 - 1
 # A damaged value shown in an error is cut to this many characters: the error stays one line.
 SHOWN_CHARACTERS = 80
 
@@ -357,7 +366,7 @@ def _check_nodes(state: Any, where: str, outer: str) -> None:
         at = f"{where}: {path}"
         if POSITION in node:
             for key in (EPOCH, POSITION, LENGTH) if LENGTH in node else (EPOCH, POSITION):
-                _entry(node, key, at, _is_count, f"an int in [0, {INT64_LIMIT}]")
+                _entry(node, key, at, is_count, f"an int in [0, {INT64_MAX}]")
         if isinstance(node.get(FILES), list):
             for index, fingerprint in enumerate(node[FILES]):
                 _check_fingerprint(fingerprint, f"{at}: state entry {FILES!r}[{index}]")
@@ -382,7 +391,7 @@ def _check_fingerprint(fingerprint: Any, at: str) -> None:
         not isinstance(fingerprint, list)
         or len(fingerprint) < LEGACY_FINGERPRINT_LENGTH
         or not isinstance(fingerprint[NAME], str)
-        or not _is_count(fingerprint[SIZE])
+        or not is_count(fingerprint[SIZE])
         or isinstance(fingerprint[MTIME_NS], bool)
         or not isinstance(fingerprint[MTIME_NS], int)
     ):
@@ -400,7 +409,7 @@ def _check_pack_buffer(node: dict[str, Any], at: str) -> None:
             if (
                 not isinstance(piece, list)
                 or len(piece) < 4
-                or not all(_is_count(value) for value in piece[-4:])
+                or not all(is_count(value) for value in piece[-4:])
                 or not all(isinstance(name, str) for name in piece[:-4])
             ):
                 raise StateError(
@@ -417,11 +426,6 @@ def _entry(holder: dict[str, Any], key: str, at: str, valid: Callable[[Any], boo
     if not valid(value):
         raise StateError(f"{at}: state entry {key!r} is {_shown(value)}, expected {expected}")
     return value
-
-
-def _is_count(value: Any) -> bool:
-    """An int in ``[0, INT64_LIMIT]`` (not a bool)."""
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= INT64_LIMIT
 
 
 def _shown(value: Any) -> str:

@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from resumable.core.state import LOADER_FORMAT, LOADER_FORMAT_PREFIX, check_json, require
+from resumable.core.state import INT64_MAX, LOADER_FORMAT, LOADER_FORMAT_PREFIX, check_json, require
 from resumable.errors import StateError
 
 # Keys of the Loader state.
@@ -60,8 +60,7 @@ WORKER_PREFIX = "worker_"
 PIPELINE = "pipeline"
 PASS_EPOCH = "epoch"
 
-# Seeds are int64 in torch; larger values are corrupt.
-INT64_LIMIT = 2**63 - 1
+# Seeds are int64 in torch (INT64_MAX); larger values are corrupt.
 # Epochs and batch counts a Loader state may hold. The Loader stops with a StateError rather
 # than count past it, so every state it saves loads again: far above any real run, and far
 # below int64, so that torch never overflows either.
@@ -163,7 +162,7 @@ def parse_loader_state(state: Any, where: str = "Loader") -> LoaderState:
     at_main = f"{at_snapshot}.{MAIN_SNAPSHOT}"
     _count(main, MAIN_NUM_WORKERS, at_main, low=num_workers, high=num_workers)
     _main_counters(main, at_main)
-    _count(main, BASE_SEED, at_main, high=INT64_LIMIT)
+    _count(main, BASE_SEED, at_main, high=INT64_MAX)
     workers = require(snapshot, WORKER_SNAPSHOTS, dict, at_snapshot)
     # The length first: the expected names are built only for as many workers as are there.
     if len(workers) != num_workers or set(workers) != {f"{WORKER_PREFIX}{w}" for w in range(num_workers)}:
@@ -209,7 +208,7 @@ def _main_counters(holder: dict[str, Any], where: str) -> None:
     _count(holder, SAMPLER_ITER_YIELDED, where)
     for key in (LEN_CALLED, SHARED_SEED):
         if require(holder, key, (int, type(None)), where) is not None:
-            _count(holder, key, where, high=INT64_LIMIT)
+            _count(holder, key, where, high=INT64_MAX)
 
 
 def _pipeline(holder: dict[str, Any], where: str, epoch: int) -> dict[str, Any]:

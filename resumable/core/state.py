@@ -9,7 +9,7 @@ upstream's state under ``UPSTREAM``. Errors name the node's path in the pipeline
 from __future__ import annotations
 
 import reprlib
-from typing import Any, Mapping, Sequence, cast
+from typing import Any, Mapping, Sequence, TypeGuard, cast
 
 from resumable.errors import StateError
 
@@ -39,6 +39,14 @@ def require(state: Mapping[str, Any], key: str, types: type | tuple[type, ...], 
     if not isinstance(value, types) or wrong_bool:
         raise StateError(f"{path}: state entry {key!r} is {short_repr(value)}, expected {_type_names(types)}")
     return value
+
+
+INT64_MAX = 2**63 - 1
+
+
+def is_count(value: Any, upper: int = INT64_MAX) -> TypeGuard[int]:
+    """An int (not a bool) in ``[0, upper]``: a count, position or size as a state saves it."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= upper
 
 
 def require_count(state: Mapping[str, Any], key: str, path: str, upper: int | None = None) -> int:

@@ -26,6 +26,7 @@ from typing import Any, Sequence, TypeGuard, Union
 
 import numpy as np
 
+from resumable.core.state import is_count
 from resumable.errors import StateError
 from resumable.order import orders
 
@@ -343,4 +344,4 @@ def _step_from_json(value: Any, epoch: int, path: str) -> Step:
 
 def _is_count(value: Any) -> TypeGuard[int]:
     """An int in ``[0, MAX_POSITION]``: positions and sizes stay exact in int64 arithmetic."""
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_POSITION
+    return is_count(value, MAX_POSITION)

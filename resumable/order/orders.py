@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from resumable.core.state import is_count
 from resumable.errors import StateError
 from resumable.order.block_shuffle import BLOCK_SIZE, SEED, WINDOW, BlockLayout, BlockShuffle
 from resumable.order.lcg import Permutation
@@ -30,7 +31,7 @@ def check_order(value: Any, path: str) -> Order:
     if isinstance(value, list) and len(value) == 2 and isinstance(value[1], dict):
         kind, config = value
         keys = _CONFIG_KEYS.get(kind) if isinstance(kind, str) else None
-        if keys is not None and set(config) == keys and all(_is_count(v) for v in config.values()):
+        if keys is not None and set(config) == keys and all(is_count(v) for v in config.values()):
             if kind == Shuffle.kind or (config[BLOCK_SIZE] >= 1 and config[WINDOW] >= 1):
                 return kind, config
     raise StateError(f"{path}: reorder entry {str(value)[:80]!r} is not a shuffle's [kind, config]")
@@ -48,7 +49,3 @@ def take(order: Order, positions: np.ndarray, length: int, epoch: int) -> np.nda
 def _layout(length: int, window: int, block_size: int) -> BlockLayout:
     """Layouts are pure and keep a small cache of window permutations: share them."""
     return BlockLayout(length, window, block_size=block_size)
-
-
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from resumable.core.indexed import EPOCH, LENGTH, IndexedNode
-from resumable.core.state import UPSTREAM, check_header, require, require_count, short_repr
+from resumable.core.state import UPSTREAM, check_header, is_count, require, require_count, short_repr
 from resumable.elastic import _shard_and_orders
 from resumable.errors import StateError
 from resumable.order.elastic import MAX_POSITION, Remap
@@ -226,4 +226,4 @@ def _remap_of(state: dict[str, Any], epoch: int, base_length: int, path: str) ->
 
 def _is_count(value: Any) -> bool:
     """An int in ``[0, MAX_POSITION]``, so references stay exact in int64 arrays."""
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_POSITION
+    return is_count(value, MAX_POSITION)

@@ -53,6 +53,7 @@ class Node(Generic[T]):
     # Whether the upstream's state includes its counters. An indexed node reads its upstream
     # by random access, so only the upstream's configuration matters.
     _upstream_progress: ClassVar[bool] = True
+    _upstream_only: ClassVar[bool] = True  # children and their states are the base class's
     # Options that may change on an elastic resume (a rescale), though not on a plain restore.
     _elastic_options: ClassVar[tuple[str, ...]] = ()
 
@@ -66,6 +67,7 @@ class Node(Generic[T]):
                 )
         elif cls.kind not in NODE_KINDS:
             cls.kind = cls.__name__
+        cls._upstream_only = cls._children is Node._children and cls._child_state is Node._child_state
 
     def __init__(self, upstream: Node[Any] | None = None) -> None:
         if upstream is not None and not isinstance(upstream, Node):
@@ -198,6 +200,10 @@ class Node(Generic[T]):
         if progress:
             state.update(self._progress())
             state[ENDED] = self._ended
+        if self._upstream_only:  # the common case, without the general walk's cost per node
+            if self.upstream is not None:
+                state[UPSTREAM] = self.upstream._state(progress and self._upstream_progress)
+            return state
         for where, child in self._children().items():
             put_nested(state, where, self._child_state(child, progress))
         return state

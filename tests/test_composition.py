@@ -24,7 +24,6 @@ There is no third verdict: a pair that neither works nor is refused at construct
 
 from __future__ import annotations
 
-import json
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ import pytest
 
 import resumable as rs
 from resumable.elastic import restore
+from tests.resume import roundtrip, take
 from tests.sources import INDEXED_KINDS, STREAM_KINDS, indexed_source, stream_source
 
 # -- the table --------------------------------------------------------------------------------
@@ -278,22 +278,10 @@ def build(up: str, down: str, consumer: int, consumers: int, kind: str = "list")
 # -- the checks -------------------------------------------------------------------------------
 
 
-def roundtrip(state: dict[str, Any]) -> dict[str, Any]:
-    return json.loads(json.dumps(state))  # type: ignore[no-any-return]  # JSON of a dict is a dict
-
-
-def take(pipe: rs.Node, count: int) -> list[Any]:
-    """The next ``count`` items, starting new epochs as a training loop does."""
-    items: list[Any] = []
-    empty = 0  # passes in a row that gave nothing: the first may be the end of the current epoch
-    while len(items) < count:
-        before = len(items)
-        for item in pipe:
-            items.append(item)
-            if len(items) == count:
-                break
-        empty = empty + 1 if len(items) == before else 0
-        assert empty < 2, "an empty epoch"
+def take_all(pipe: rs.Node, count: int) -> list[Any]:
+    """The next ``count`` items, starting new epochs as a training loop does; none is empty."""
+    items = take(pipe, count)
+    assert len(items) == count, "an empty epoch"
     return items
 
 
@@ -303,24 +291,24 @@ def check_exact_resume(up: str, down: str, kind: str) -> None:
 
     with fresh() as pipe:
         epoch = list(pipe)
-        following = take(pipe, 5)
+        following = take_all(pipe, 5)
     assert epoch, "the pair's pipeline yields nothing: the test data is too small"
     expected = [canonical(item) for item in epoch + following]
     total = len(expected)
     for k in sorted({len(epoch) // 2, len(epoch)}):
         with fresh() as pipe:
-            head = take(pipe, k)
+            head = take_all(pipe, k)
             state = roundtrip(pipe.get_state())
         with fresh() as resumed:
             resumed.set_state(state)
-            rest = take(resumed, total - k)
+            rest = take_all(resumed, total - k)
         assert [canonical(item) for item in head + rest] == expected, f"resumed after {k} items"
     with fresh() as pipe:  # after the epoch's StopIteration
         list(pipe)
         state = roundtrip(pipe.get_state())
     with fresh() as resumed:
         resumed.set_state(state)
-        assert [canonical(item) for item in take(resumed, len(following))] == expected[len(epoch) :]
+        assert [canonical(item) for item in take_all(resumed, len(following))] == expected[len(epoch) :]
 
 
 def one_epoch(up: str, down: str, kind: str, consumers: int) -> Counter[tuple[str, int]]:

@@ -87,22 +87,34 @@ def expected(chain: str, docs: list[dict[str, Any]]) -> Counter[int]:
 def run_phases(
     chain: str, docs: list[dict[str, Any]], phases: list[tuple[int, list[float]]], kind: str = "list"
 ) -> Counter[int]:
-    """Run consumers topology by topology: in each phase consumer ``c`` of ``C`` takes a fraction
-    of what its shard holds, then every state is saved (as JSON) and the next topology restores
-    from all of them. The last phase runs to the end of the epoch."""
+    """``run_topologies`` over chain ``chain`` of ``CHAINS`` on ``docs`` in a ``kind`` source."""
+    return run_topologies(
+        lambda consumer, consumers: CHAINS[chain](indexed_source(kind, docs), consumer, consumers),
+        phases,
+        lambda item: delivered(chain, item),
+    )
+
+
+def run_topologies(
+    build: Callable[[int, int], rs.Node], phases: list[tuple[int, list[float]]], deliver: Callable[[Any], list[int]]
+) -> Counter[int]:
+    """Run consumers topology by topology: in each phase consumer ``c`` of ``C`` (its pipeline
+    ``build(c, C)``) takes a fraction of what it holds, then every state is saved (as JSON) and
+    the next topology restores from all of them. The last phase runs to the end of the epoch.
+    What the items delivered (``deliver``), counted."""
     seen: Counter[int] = Counter()
     states: list[dict[str, Any]] | None = None
     for number, (consumers, fractions) in enumerate(phases):
         last = number == len(phases) - 1
         new_states = []
         for consumer in range(consumers):
-            pipe = CHAINS[chain](indexed_source(kind, docs), consumer, consumers)
-            if states is not None:
-                restore(pipe, states)
-            items = list(pipe) if last else take_fraction(pipe, fractions[consumer % len(fractions)])
-            for item in items:
-                seen.update(delivered(chain, item))
-            new_states.append(json.loads(json.dumps(pipe.get_state())))
+            with build(consumer, consumers) as pipe:
+                if states is not None:
+                    restore(pipe, states)
+                items = list(pipe) if last else take_fraction(pipe, fractions[consumer % len(fractions)])
+                for item in items:
+                    seen.update(deliver(item))
+                new_states.append(json.loads(json.dumps(pipe.get_state())))
         states = new_states
     return seen
 
@@ -436,20 +448,11 @@ def mix_expected() -> Counter[int]:
     ),
 )
 def test_mix_then_pack_rescales_every_token_once(kind: str, phases: list[tuple[int, list[float]]]) -> None:
-    seen: Counter[int] = Counter()
-    states: list[dict[str, Any]] | None = None
-    for number, (consumers, fractions) in enumerate(phases):
-        last = number == len(phases) - 1
-        new_states = []
-        for consumer in range(consumers):
-            pipe = mixed_then_packed(consumer, consumers, kind)
-            if states is not None:
-                restore(pipe, states)
-            rows = list(pipe) if last else take_fraction(pipe, fractions[consumer % len(fractions)])
-            for row in rows:
-                seen.update(delivered("pack", row))
-            new_states.append(json.loads(json.dumps(pipe.get_state())))
-        states = new_states
+    seen = run_topologies(
+        lambda consumer, consumers: mixed_then_packed(consumer, consumers, kind),
+        phases,
+        lambda row: delivered("pack", row),
+    )
     assert seen == mix_expected()
 
 

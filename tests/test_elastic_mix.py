@@ -18,7 +18,7 @@ import pytest
 import resumable as rs
 from resumable.elastic import restore
 from tests.sources import INDEXED_KINDS, indexed_source
-from tests.test_elastic import SEQ_LEN, delivered, documents, keep, shifted, take_fraction
+from tests.test_elastic import SEQ_LEN, delivered, documents, keep, run_topologies, shifted, take_fraction
 
 Build = Callable[[int, int], rs.Node]
 Phases = list[tuple[int, list[float]]]
@@ -61,23 +61,8 @@ def every_token() -> Counter[int]:
 
 
 def run_phases(build: Build, phases: Phases) -> Counter[int]:
-    """Consumer ``c`` of ``C`` takes a fraction of what its pipeline still holds; then every
-    state goes through JSON and the next topology restores from all of them."""
-    seen: Counter[int] = Counter()
-    states: list[dict[str, Any]] | None = None
-    for number, (consumers, fractions) in enumerate(phases):
-        last = number == len(phases) - 1
-        new_states = []
-        for consumer in range(consumers):
-            with build(consumer, consumers) as pipe:
-                if states is not None:
-                    restore(pipe, states)
-                rows = list(pipe) if last else take_fraction(pipe, fractions[consumer % len(fractions)])
-                for row in rows:
-                    seen.update(delivered("pack", row))
-                new_states.append(json.loads(json.dumps(pipe.get_state())))
-        states = new_states
-    return seen
+    """The tokens the packed rows deliver over the topologies of ``phases``."""
+    return run_topologies(build, phases, lambda row: delivered("pack", row))
 
 
 @pytest.mark.parametrize("kind", INDEXED_KINDS)

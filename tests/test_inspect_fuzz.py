@@ -22,6 +22,7 @@ import resumable.torch as rst
 from resumable.cli import main
 from resumable.elastic import restore
 from tests.resume import take
+from tests.test_state_fuzz import paths
 
 ENCODED = ("fetcher_state", "dataset_iter_state", "pipeline")
 REPLACEMENTS = [None, True, 5, -1, 1.5, 10**30, -(10**30), 2**63, "", "5", "x", [], ["a"], [1], {}, {"kind": 5}]
@@ -73,18 +74,6 @@ def loader_states() -> list[dict[str, Any]]:
 def examples(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     directory = tmp_path_factory.mktemp("inspect_fuzz")
     return directory, bare_states(directory) + loader_states()
-
-
-def paths(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    """Every entry's path inside a JSON value."""
-    found = [prefix] if prefix else []
-    if isinstance(value, dict):
-        for key, item in value.items():
-            found += paths(item, (*prefix, key))
-    elif isinstance(value, list):
-        for index, item in enumerate(value):
-            found += paths(item, (*prefix, index))
-    return found
 
 
 def damage(draw: st.DrawFn, value: Any) -> None:

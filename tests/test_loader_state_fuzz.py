@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 import resumable as rs
 from resumable.torch import Loader
+from tests.test_state_fuzz import paths
 
 # Guards against hangs, not timing checks: a worker silent this long, or a load and two
 # epochs of 10 batches taking this long, fail the test instead of stalling it.
@@ -51,18 +52,6 @@ def real_states(num_workers: int) -> list[dict[str, Any]]:
     list(iterator)
     states.append(json.loads(json.dumps(loader.state_dict())))
     return states
-
-
-def paths(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    """Every entry's path inside a JSON value."""
-    found = [prefix] if prefix else []
-    if isinstance(value, dict):
-        for key, item in value.items():
-            found += paths(item, (*prefix, key))
-    elif isinstance(value, list):
-        for index, item in enumerate(value):
-            found += paths(item, (*prefix, index))
-    return found
 
 
 def holder_of(state: Any, path: tuple[Any, ...]) -> Any:

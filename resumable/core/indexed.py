@@ -10,7 +10,7 @@ C-level iterators (decode, then the serial maps).
 from __future__ import annotations
 
 import operator
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Sequence, TypeVar
 
 import numpy as np
 
@@ -42,6 +42,8 @@ class IndexedNode(Node[T]):
 
     upstream: IndexedNode[Any] | None
     _upstream_progress = False
+    _same_positions: ClassVar[bool] = False
+    """Whether position ``i`` here is position ``i`` of the upstream (serial maps, the cache)."""
     _chunk: Sequence[Any]
     _chunk_leaves: np.ndarray | None  # leaf indices of the chunk, for last_key()
     _chunk_start: int
@@ -65,18 +67,22 @@ class IndexedNode(Node[T]):
         raise NotImplementedError
 
     def _length(self, epoch: int) -> int:
-        """Positions in ``epoch``: ``len(self)``, unless a rescale left a shard of another size."""
-        return len(self)
+        """Positions in ``epoch``: the upstream's (a source's own length), unless a rescale
+        left a shard of another size (the shard says so)."""
+        return len(self) if self.upstream is None else self.upstream._length(epoch)
 
     def _pass_cursor(self, epoch: int, position: int) -> None:
-        """Hook: the cursor's position as a state is taken, for nodes whose positions it also
-        is (a shard under serial maps compacts its remap with it)."""
+        """Hook: the cursor's position as a state is taken, passed down while it is also the
+        upstream's position (a shard under serial maps compacts its remap with it)."""
+        if self._same_positions and self.upstream is not None:
+            self.upstream._pass_cursor(epoch, position)
 
     def _check_cursor(self, epoch: int, position: int, path: str) -> None:
         """Tell the indexed chain below a restored cursor where it stands, so that a node whose
-        state depends on it (a shard's compacted remap) rejects a state that cannot serve it."""
+        state depends on it (a shard's compacted remap) rejects a state that cannot serve it.
+        Below a node that reorders or splits positions, the cursor may need any position: 0."""
         if self.upstream is not None:
-            self.upstream._check_cursor(epoch, position, path)
+            self.upstream._check_cursor(epoch, position if self._same_positions else 0, path)
 
     def _enter_epoch(self, epoch: int) -> None:
         """Tell the indexed chain below the cursor which epoch is being read (a shard drops

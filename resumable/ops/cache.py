@@ -199,6 +199,7 @@ class Cache(IndexedNode[T]):
     """
 
     kind = "Cache"
+    _same_positions = True
 
     upstream: IndexedNode[Any]
 

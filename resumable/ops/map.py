@@ -50,6 +50,7 @@ class IndexedMap(IndexedNode[U]):
     """
 
     kind = "IndexedMap"
+    _same_positions = True
 
     upstream: IndexedNode[Any]
 
@@ -60,12 +61,6 @@ class IndexedMap(IndexedNode[U]):
 
     def __len__(self) -> int:
         return len(self.upstream)
-
-    def _length(self, epoch: int) -> int:
-        return self.upstream._length(epoch)
-
-    def _pass_cursor(self, epoch: int, position: int) -> None:
-        self.upstream._pass_cursor(epoch, position)
 
     def _raw_chunk(self, start: int, count: int, epoch: int) -> Sequence[Any]:
         return self.upstream._raw_chunk(start, count, epoch)

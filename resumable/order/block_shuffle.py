@@ -226,9 +226,6 @@ class BlockShuffle(IndexedNode[T]):
     def __len__(self) -> int:
         return len(self._parent)
 
-    def _length(self, epoch: int) -> int:
-        return self._parent._length(epoch)
-
     def layout(self, epoch: int) -> BlockLayout:
         """The block layout over ``epoch``'s positions."""
         if self._natural is not None:
@@ -246,9 +243,6 @@ class BlockShuffle(IndexedNode[T]):
         upstream_positions = self.layout(epoch).take(positions, self.seed, epoch)
         return self._parent._leaf_indices(upstream_positions, epoch)
 
-    def _check_cursor(self, epoch: int, position: int, path: str) -> None:
-        # A permuted cursor may ask for any position below it.
-        super()._check_cursor(epoch, 0, path)
 
     def _config(self) -> dict[str, Any]:
         return {SEED: self.seed, BLOCK_SIZE: self.block_size, WINDOW: self.window}

@@ -34,9 +34,6 @@ class Shuffle(IndexedNode[T]):
     def __len__(self) -> int:
         return len(self._parent)
 
-    def _length(self, epoch: int) -> int:
-        return self._parent._length(epoch)
-
     def permutation(self, epoch: int) -> Permutation:
         """The permutation of ``epoch`` (cached for the last epoch asked for); its size is the
         epoch's, which after a rescale of a shard below is that consumer's new stride."""
@@ -49,10 +46,6 @@ class Shuffle(IndexedNode[T]):
     def _leaf_indices(self, positions: np.ndarray, epoch: int) -> np.ndarray:
         permuted = self.permutation(epoch).take(positions)
         return self._parent._leaf_indices(permuted, epoch)
-
-    def _check_cursor(self, epoch: int, position: int, path: str) -> None:
-        # A permuted cursor may ask for any position below it.
-        super()._check_cursor(epoch, 0, path)
 
     def _config(self) -> dict[str, Any]:
         return {SEED: self.seed}

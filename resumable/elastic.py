@@ -63,12 +63,9 @@ __all__ = ["Rescalable", "as_consumer", "consumer_of", "rescaled_state", "restor
 def as_consumer(pipeline: Node[Any], topology: Topology) -> Node[Any]:
     """``pipeline``, whose shards and file-sharded streams now read as ``topology``'s consumer
     whatever the process: to replay an old consumer, or plan a new one, in this process."""
-    pending = [pipeline]
-    while pending:
-        node = pending.pop()
+    for node in pipeline._subtree():
         if isinstance(node, (Shard, JsonlStream)):
             node._consumer.pin(topology)
-        pending.extend(node._children().values())
     return pipeline
 
 

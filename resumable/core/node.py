@@ -10,7 +10,7 @@ only its own options and counters. Nodes with random access derive from
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Generic, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Generic, Iterator, Sequence, TypeVar
 
 from resumable.core.keys import RecordKey
 from resumable.core.state import (
@@ -145,6 +145,14 @@ class Node(Generic[T]):
         """``(epoch, leaf index)`` of the indexed record behind the last item handed out, or
         None when items cannot be traced back to one record (after batch or pack, say)."""
         return None
+
+    def _subtree(self) -> Iterator[Node[Any]]:
+        """This node and every node it reads from, down every branch (mix components)."""
+        pending: list[Node[Any]] = [self]
+        while pending:
+            node = pending.pop()
+            yield node
+            pending.extend(node._children().values())
 
     def _traceable(self) -> bool:
         """Whether every item can be traced back to one record (``last_key``), known when the

@@ -90,12 +90,8 @@ def _refuse_inner_repeat(upstream: Node[Any]) -> None:
     """Raise ConfigError if ``upstream`` repeats already: the inner repeat restarts its count on
     every outer pass, so a rescale of consumers in different outer passes could not tell which
     pass of each to continue."""
-    pending = [upstream]
-    while pending:
-        node = pending.pop()
-        if isinstance(node, Repeat):
-            raise ConfigError(
-                f"Repeat: its upstream {upstream!r} already repeats; use a single .repeat(n * m) "
-                "(.repeat() to run endlessly), and with a mix, repeat the components or the mix, not both"
-            )
-        pending.extend(node._children().values())
+    if any(isinstance(node, Repeat) for node in upstream._subtree()):
+        raise ConfigError(
+            f"Repeat: its upstream {upstream!r} already repeats; use a single .repeat(n * m) "
+            "(.repeat() to run endlessly), and with a mix, repeat the components or the mix, not both"
+        )

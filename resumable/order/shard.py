@@ -47,14 +47,11 @@ class Shard(IndexedNode[T]):
         split_workers: bool = True,
     ) -> None:
         super().__init__(upstream)
-        below: IndexedNode[Any] | None = upstream
-        while below is not None:
-            if isinstance(below, Shard):
-                raise ConfigError(
-                    f"{self.kind}: {upstream!r} is sharded already; a second .shard() would split each "
-                    "consumer's stride again and leave the rest of the epoch unread: keep one .shard()"
-                )
-            below = below.upstream
+        if any(isinstance(node, Shard) for node in upstream._subtree()):
+            raise ConfigError(
+                f"{self.kind}: {upstream!r} is sharded already; a second .shard() would split each "
+                "consumer's stride again and leave the rest of the epoch unread: keep one .shard()"
+            )
         self._consumer = Consumer(rank, world_size, split_workers, self.kind)
         self.remap: Remap | None = None
         self.next_remap: Remap | None = None

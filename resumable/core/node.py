@@ -31,7 +31,6 @@ from resumable.errors import ConfigError, StateError
 
 if TYPE_CHECKING:
     from resumable.ops.batch import Batch
-    from resumable.ops.filter import Filter
     from resumable.ops.repeat import Repeat
     from resumable.order.shard import Shard
     from resumable.pack.node import Pack
@@ -327,8 +326,21 @@ class Node(Generic[T]):
 
         return cache(self, directory, max_bytes=max_bytes)
 
-    def filter(self, predicate: Callable[[T], bool]) -> Filter[T]:
-        """Keep the items for which ``predicate`` is true."""
+    def filter(
+        self,
+        predicate: Callable[[T], bool],
+        index: bool = False,
+        index_key: str | None = None,
+        cache_dir: str | None = None,
+        num_proc: int = 0,
+        progress: bool = True,
+    ) -> Node[T]:
+        """Keep the items for which ``predicate`` is true, as they stream past. With ``index``,
+        scan a random-access upstream once and keep random access (see ``IndexedNode.filter``)."""
+        if index:
+            raise ConfigError(
+                f"{self.kind}: filter(index=True) needs random access; place it before filter, batch and pack"
+            )
         from resumable.ops.filter import Filter
 
         return Filter(self, predicate)

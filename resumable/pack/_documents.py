@@ -1,58 +1,69 @@
-"""How a packer reads a document: a record's token ids (and labels) as arrays, and how much of
-it goes into rows under the overlong policy."""
+"""How a packer reads a document: a record's token ids, labels and payload fields as a
+``Document``, its packing cost, and how much of it goes into rows under the overlong policy."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
 from resumable.core.keys import RecordKey
 from resumable.errors import SourceError
 from resumable.pack._entries import DOCUMENTS, DROPPED, EMPTY, SPLIT, TRUNCATED
-from resumable.pack._pieces import Arrays, key_text
+from resumable.pack._pieces import key_text
+from resumable.pack.rows import Document
 
 INT64_MAX = int(np.iinfo(np.int64).max)  # rows are int64: larger ids would wrap to negative ones
+TOKEN_FIELD_KINDS = "biuf"  # bool, ints, floats: what a per-token field may hold
 
 
 @dataclass(frozen=True)
 class Documents:
     """A packer's reading of its records (its options ``seq_len``, ``overlong``,
-    ``input_field`` and ``labels_field``); ``kind`` names the packer in errors. Both modes of
-    the packer hold it, so neither holds the packer."""
+    ``input_field``, ``labels_field``, the payload fields and ``length_fn``); ``kind`` names
+    the packer in errors. Both modes of the packer hold it, so neither holds the packer."""
 
     kind: str
     seq_len: int
     overlong: str
     input_field: str
     labels_field: str | None
+    token_fields: tuple[str, ...] = ()
+    document_fields: tuple[str, ...] = ()
+    length_fn: Callable[[Any], int] | None = None
 
-    def cut(self, length: int, counts: dict[str, int]) -> tuple[int, int]:
-        """Apply the overlong policy to a document of ``length`` tokens and count it.
+    def cut(self, document: Document, counts: dict[str, int]) -> tuple[int, int]:
+        """Apply the overlong policy to ``document`` (by its cost: tokens and reserved
+        positions) and count it.
 
         Returns ``(full, end)``: tokens ``[0, full)`` make whole rows of their own (a multiple
         of ``seq_len``), tokens ``[full, end)`` are one piece to pack; ``(0, 0)`` keeps nothing.
+        A document with reserved positions is never split (``Pack`` refuses ``split`` with a
+        ``length_fn``); truncated, it keeps the tokens that fit beside them, and is dropped if
+        none do.
         """
-        seq_len = self.seq_len
+        seq_len, length, extra = self.seq_len, len(document.tokens), document.extra
         if length == 0:
             counts[EMPTY] += 1
             return 0, 0
-        if length <= seq_len:
+        if length + extra <= seq_len:
             counts[DOCUMENTS] += 1
             return (length, length) if length == seq_len else (0, length)
-        if self.overlong == "drop":
+        if self.overlong == "drop" or (self.overlong == "truncate" and extra >= seq_len):
             counts[DROPPED] += 1
             return 0, 0
         counts[DOCUMENTS] += 1
         if self.overlong == "truncate":
             counts[TRUNCATED] += 1
-            return seq_len, seq_len
+            keep = seq_len - extra
+            return (keep, keep) if keep == seq_len else (0, keep)
         counts[SPLIT] += 1
         return length - length % seq_len, length
 
-    def read(self, record: Any, key: RecordKey) -> Arrays:
-        """The record's token ids (and labels if it has them) as 1-d integer numpy arrays."""
+    def read(self, record: Any, key: RecordKey) -> Document:
+        """The record's token ids (and labels if it has them) as 1-d integer numpy arrays, its
+        token fields and document fields, and the positions ``length_fn`` reserves."""
         field = self.input_field
         if not isinstance(record, Mapping):
             raise SourceError(
@@ -67,15 +78,53 @@ class Documents:
             )
         tokens = self._ids(record[field], key, field)
         labels_field = self.labels_field
-        if labels_field is None or labels_field not in record:
-            return tokens, None
-        labels = self._ids(record[labels_field], key, labels_field)
-        if len(labels) != len(tokens):
+        labels = None
+        if labels_field is not None and labels_field in record:
+            labels = self._ids(record[labels_field], key, labels_field)
+            self._check_length(labels, len(tokens), key, labels_field)
+        if not (self.token_fields or self.document_fields or self.length_fn):
+            return Document(tokens, labels)
+        fields = tuple(self._token_field(record, key, name, len(tokens)) for name in self.token_fields)
+        payloads = tuple(self._field(record, key, name) for name in self.document_fields)
+        return Document(tokens, labels, fields, payloads, self._extra(record, key, len(tokens)))
+
+    def _check_length(self, array: np.ndarray, length: int, key: RecordKey, name: str) -> None:
+        if len(array) != length:
             raise SourceError(
-                f"{self.kind}: record {key_text(key)} has {len(labels)} {labels_field!r} "
-                f"for {len(tokens)} {field!r}"
+                f"{self.kind}: record {key_text(key)} has {len(array)} {name!r} for {length} {self.input_field!r}"
             )
-        return tokens, labels
+
+    def _field(self, record: Mapping[str, Any], key: RecordKey, name: str) -> Any:
+        if name not in record:
+            raise SourceError(f"{self.kind}: record {key_text(key)} has no {name!r} field")
+        return record[name]
+
+    def _token_field(self, record: Mapping[str, Any], key: RecordKey, name: str, length: int) -> np.ndarray:
+        """A per-token field: a 1-d array of bools, ints or floats, one per token."""
+        value = self._field(record, key, name)
+        try:
+            array = value if isinstance(value, np.ndarray) else np.asarray(value)
+        except (TypeError, ValueError) as exc:
+            raise SourceError(f"{self.kind}: record {key_text(key)} field {name!r} is not an array: {exc}") from exc
+        if array.ndim != 1 or array.dtype.kind not in TOKEN_FIELD_KINDS:
+            raise SourceError(
+                f"{self.kind}: record {key_text(key)} token field {name!r} must be a 1-d sequence of bools, "
+                f"ints or floats, got shape {array.shape} of {array.dtype}"
+            )
+        self._check_length(array, length, key, name)
+        return array
+
+    def _extra(self, record: Mapping[str, Any], key: RecordKey, length: int) -> int:
+        """Positions ``length_fn`` reserves beyond the record's ``length`` tokens (0 without it)."""
+        if self.length_fn is None:
+            return 0
+        cost = self.length_fn(record)
+        if isinstance(cost, (int, np.integer)) and not isinstance(cost, bool) and cost >= length:
+            return int(cost) - length
+        raise SourceError(
+            f"{self.kind}: length_fn gave {cost!r} for record {key_text(key)} of {length} tokens; "
+            "expected an int >= its token count"
+        )
 
     def _ids(self, value: Any, key: RecordKey, field: str) -> np.ndarray:
         try:

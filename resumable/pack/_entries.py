@@ -11,6 +11,11 @@ MAX_DOCUMENTS = "max_documents"
 INPUT_FIELD = "input_field"
 LABELS_FIELD = "labels_field"
 PAD_TOKEN_ID = "pad_token_id"
+# Payload options, saved only when set (states of packers without them keep their old form).
+TOKEN_FIELDS = "token_fields"
+DOCUMENT_FIELDS = "document_fields"
+LENGTH_FN = "length_fn"
+PAYLOAD_OPTIONS = (TOKEN_FIELDS, DOCUMENT_FIELDS, LENGTH_FN)
 
 # Progress of a streaming packer: piece references, flat, and how many of them form each group.
 OPEN = "open"

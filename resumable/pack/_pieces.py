@@ -6,19 +6,14 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
-import numpy as np
-
 from resumable.core.keys import RecordKey
 from resumable.core.state import require, short_repr
 from resumable.errors import ResumableError, StateError
 from resumable.pack._entries import PADDING, ROWS
-from resumable.pack.rows import Segment
+from resumable.pack.rows import Document, Segment
 
 PIECE_FIELDS = 4
 """Ints that end a piece reference ``[*component names, epoch, record, token_start, token_end]``."""
-
-Arrays = tuple[np.ndarray, np.ndarray | None]
-"""A record's token ids and its labels (None: the labels are the token ids)."""
 
 
 class Piece(NamedTuple):
@@ -26,44 +21,48 @@ class Piece(NamedTuple):
 
     start: int
     end: int
-    tokens: np.ndarray
-    labels: np.ndarray | None
+    document: Document
     ref: list[Any]  # [*key, start, end], built once: get_state shares it, nothing changes it
 
     @property
     def key(self) -> RecordKey:
         return tuple(self.ref[:-2])
 
+    @property
+    def cost(self) -> int:
+        """Positions the piece takes in a row: its tokens and its document's reserved ones."""
+        return self.end - self.start + self.document.extra
+
     def segment(self) -> Segment:
-        return Segment(self.tokens, self.labels, self.start, self.end)
+        return Segment(self.document, self.start, self.end)
 
 
-def piece(key: RecordKey, start: int, end: int, tokens: np.ndarray, labels: np.ndarray | None) -> Piece:
+def piece(key: RecordKey, start: int, end: int, document: Document) -> Piece:
     """Tokens ``[start, end)`` of the record ``key``, with its reference."""
-    return Piece(start, end, tokens, labels, [*key, start, end])
+    return Piece(start, end, document, [*key, start, end])
 
 
 def count_row(counts: dict[str, int], segments: list[Segment], seq_len: int) -> None:
-    """Count a row handed out, and its padding."""
+    """Count a row handed out, and its padding (reserved positions are not padding)."""
     counts[ROWS] += 1
-    counts[PADDING] += seq_len - sum(segment.end - segment.start for segment in segments)
+    counts[PADDING] += seq_len - sum(segment.cost for segment in segments)
 
 
 class Refetcher:
     """Turns saved piece references back into pieces, fetching each record once, all of them in
     one ``fetch_many`` call (a stream then reads each file once, in offset order); ``read`` turns
-    a record into its arrays."""
+    a record into a ``Document``."""
 
     def __init__(
         self,
         fetch_many: Callable[[Sequence[RecordKey]], list[Any]],
-        read: Callable[[Any, RecordKey], Arrays],
+        read: Callable[[Any, RecordKey], Document],
         path: str,
     ) -> None:
         self._fetch_many = fetch_many
         self._read = read
         self._path = path
-        self._records: dict[RecordKey, Arrays] = {}
+        self._records: dict[RecordKey, Document] = {}
 
     def _ref(self, entry: Any, where: str) -> tuple[RecordKey, int, int]:
         """``(key, token_start, token_end)`` of a saved reference ``[*key, start, end]``: the key
@@ -96,13 +95,13 @@ class Refetcher:
     def piece(self, entry: Any, where: str) -> Piece:
         key, start, end = self._ref(entry, where)
         self.fetch([(entry, where)])
-        tokens, labels = self._records[key]
-        if not start < end <= len(tokens):
+        document = self._records[key]
+        if not start < end <= len(document.tokens):
             raise StateError(
-                f"{self._path}: {where} entry {entry} is outside record {key_text(key)} of {len(tokens)} tokens "
-                "(did the data change?)"
+                f"{self._path}: {where} entry {entry} is outside record {key_text(key)} of "
+                f"{len(document.tokens)} tokens (did the data change?)"
             )
-        return piece(key, start, end, tokens, labels)
+        return piece(key, start, end, document)
 
 
 def grouped(state: Mapping[str, Any], key: str, sizes_key: str, path: str) -> list[list[Any]]:

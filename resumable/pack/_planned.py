@@ -21,9 +21,9 @@ from resumable.pack._entries import (
     PLANNED,
     STATS,
 )
-from resumable.pack._pieces import Arrays, count_row, key_text
+from resumable.pack._pieces import count_row, key_text
 from resumable.pack.epoch import NO_INHERITED_ROWS, InheritedRows, Plan, Stride, share
-from resumable.pack.rows import Segment
+from resumable.pack.rows import Document, Segment
 
 if TYPE_CHECKING:
     from resumable.pack._documents import Documents
@@ -53,7 +53,7 @@ class PlannedRows:
         self._emitted = emitted
         self.inherited = inherited
         self._inherited_now = inherited.count(self.epoch)  # the inherited rows of this epoch, the first ones
-        self._cached: tuple[RecordKey, Arrays] | None = None
+        self._cached: tuple[RecordKey, Document] | None = None
 
     @classmethod
     def fresh(
@@ -78,28 +78,37 @@ class PlannedRows:
         if self._emitted < self._inherited_now:
             pieces = self.inherited.row(self._emitted)
         else:
-            if self._plan is None:
-                self._plan = make_plan(self._documents, self._max_documents, epoch, self._own_records(epoch))
-                self.counts.update(self._plan.counts)
-            plan, row = self._plan, self._emitted - self._inherited_now
+            plan, row = self._own_plan(), self._emitted - self._inherited_now
             if row == plan.rows:
                 raise StopIteration
             pieces = [[epoch, int(plan.records[i]), int(plan.starts[i]), int(plan.ends[i])] for i in plan.row(row)]
-        segments = []
-        for key_epoch, record, start, end in pieces:
-            tokens, labels = self._fetch_cached((key_epoch, record))
-            segments.append(Segment(tokens, labels, start, end))
+        segments = [
+            Segment(self._fetch_cached((key_epoch, record)), start, end) for key_epoch, record, start, end in pieces
+        ]
         self._emitted += 1
         count_row(self.counts, segments, self._documents.seq_len)
         return segments
+
+    def length(self) -> int:
+        """Rows of this epoch: the inherited ones, then those of the consumer's own plan (made
+        now if it was not yet)."""
+        return self._inherited_now + self._own_plan().rows
+
+    def _own_plan(self) -> Plan:
+        """The consumer's own plan of the epoch, made (and its documents counted) when first asked for."""
+        if self._plan is None:
+            epoch = self.epoch
+            self._plan = make_plan(self._documents, self._max_documents, epoch, self._own_records(epoch))
+            self.counts.update(self._plan.counts)
+        return self._plan
 
     def _own_records(self, epoch: int) -> Iterator[tuple[int, Any]]:
         """``(leaf index, record)`` of this consumer's epoch, read by random access."""
         upstream = self._upstream
         return upstream._scan(0, upstream._length(epoch), epoch, skip=True)
 
-    def _fetch_cached(self, key: RecordKey) -> Arrays:
-        """A record's arrays; the last one is kept, as a long document's rows come in a row."""
+    def _fetch_cached(self, key: RecordKey) -> Document:
+        """A record as a ``Document``; the last one is kept, as a long document's rows come in a row."""
         if self._cached is None or self._cached[0] != key:
             self._cached = (key, self._documents.read(self._upstream.fetch(key), key))
         return self._cached[1]
@@ -197,18 +206,16 @@ def indexed_upstream(pack: Pack) -> IndexedNode[Any]:
     return cast("IndexedNode[Any]", pack.upstream)  # Pack refuses a whole-epoch plan over any other
 
 
-def make_plan(
-    documents: Documents, max_documents: int | None, epoch: int, records: Iterator[tuple[int, Any]]
-) -> Plan:
-    """Learn the length of every ``(leaf index, record)`` of the epoch and pack them."""
+def make_plan(documents: Documents, max_documents: int | None, epoch: int, records: Iterator[tuple[int, Any]]) -> Plan:
+    """Learn the length (and cost) of every ``(leaf index, record)`` of the epoch and pack them."""
     counts = dict.fromkeys(DOCUMENT_COUNTERS, 0)
-    kept: list[tuple[int, int, int]] = []  # (record index, full, end) of documents with tokens
+    kept: list[tuple[int, int, int, int]] = []  # (record index, full, end, extra) of documents with tokens
     for index, record in records:
-        tokens, _ = documents.read(record, (epoch, index))
-        full, end = documents.cut(len(tokens), counts)
+        document = documents.read(record, (epoch, index))
+        full, end = documents.cut(document, counts)
         if end:
-            kept.append((index, full, end))
-    return Plan.pack(np.array(kept, dtype=np.int64).reshape(-1, 3), documents.seq_len, max_documents, counts)
+            kept.append((index, full, end, document.extra))
+    return Plan.pack(np.array(kept, dtype=np.int64).reshape(-1, 4), documents.seq_len, max_documents, counts)
 
 
 def saved_inherited(pack: Pack, state: dict[str, Any], epoch: int, path: str) -> InheritedRows:
@@ -235,7 +242,7 @@ def check_inherited(pack: Pack, rows: InheritedRows, start: int, path: str) -> N
         for begin in range(0, len(keys), MAX_CHUNK):
             chunk = keys[begin : begin + MAX_CHUNK]
             for key, record in zip(chunk, pack.upstream.fetch_many(chunk)):
-                lengths[key] = len(pack._documents.read(record, key)[0])
+                lengths[key] = len(pack._documents.read(record, key).tokens)
     except (IndexError, ResumableError) as exc:
         raise StateError(f"{path}: the records of the {INHERITED} rows cannot be fetched again: {exc}") from exc
     for ref in refs:

@@ -47,9 +47,10 @@ class Plan(NamedTuple):
 
     @classmethod
     def pack(cls, documents: np.ndarray, seq_len: int, max_pieces: int | None, counts: dict[str, int]) -> Plan:
-        """Pack ``documents`` (rows of ``(record index, full, end)`` in the upstream's order:
-        tokens ``[0, full)`` make whole rows, ``[full, end)`` one piece) by best-fit-decreasing;
-        rows keep the order of their first piece."""
+        """Pack ``documents`` (rows of ``(record index, full, end, extra)`` in the upstream's
+        order: tokens ``[0, full)`` make whole rows, ``[full, end)`` one piece, which takes
+        ``extra`` reserved positions more; a document with any is one piece) by
+        best-fit-decreasing; rows keep the order of their first piece."""
         # A document gives full // seq_len whole rows, then its tail if any: piece r starts at r * seq_len.
         pieces = documents[:, 1] // seq_len + (documents[:, 2] > documents[:, 1])
         first = np.repeat(np.cumsum(pieces) - pieces, pieces)
@@ -57,7 +58,7 @@ class Plan(NamedTuple):
         ends = np.minimum(starts + seq_len, np.repeat(documents[:, 2], pieces))
         indices = np.repeat(documents[:, 0], pieces)
 
-        lengths = ends - starts
+        lengths = ends - starts + np.repeat(documents[:, 3], pieces)  # what each piece costs in its row
         packed = np.flatnonzero(lengths < seq_len)
         rows = [[index] for index in np.flatnonzero(lengths == seq_len).tolist()]
         for row in best_fit_decreasing(lengths[packed], seq_len, max_pieces):

@@ -18,35 +18,38 @@ that goes out of scope is freed at once, and its pools and threads stop with it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any
-
-import numpy as np
+from typing import Any, Callable, Mapping, Sequence
 
 from resumable.core.indexed import IndexedNode
 from resumable.core.keys import RecordKey
 from resumable.core.node import Node
-from resumable.core.state import require, require_count
-from resumable.errors import ConfigError
+from resumable.core.state import require, require_count, short_repr
+from resumable.errors import ConfigError, StateError
 from resumable.pack._buffered import BufferedRows
 from resumable.pack._documents import Documents
 from resumable.pack._entries import (
     BUFFER_SIZE,
     COUNTERS,
+    DOCUMENT_FIELDS,
     INPUT_FIELD,
     LABELS_FIELD,
+    LENGTH_FN,
     MASK_FIRST_TOKEN,
     MAX_DOCUMENTS,
     OVERLONG,
     PAD_TOKEN_ID,
+    PAYLOAD_OPTIONS,
     SEQ_LEN,
     SPLIT_POSITIONS,
     STATS,
     STRATEGY,
+    TOKEN_FIELDS,
 )
 from resumable.pack._pieces import untraceable
 from resumable.pack._planned import PlannedRows
-from resumable.pack.rows import RowFormat, collate_rows, cu_seqlens_length
+from resumable.pack.rows import ROW_FIELDS, PadValue, RowFormat, collate_rows, cu_seqlens_length
 from resumable.pack.strategies import STRATEGIES, Packer, make_packer
 
 DEFAULT_BUFFER_SIZE = 1000
@@ -84,7 +87,7 @@ class PackStats:
         return self.tokens / (self.rows * self.seq_len) if self.rows else 0.0
 
 
-class Pack(Node[dict[str, np.ndarray]]):
+class Pack(Node[dict[str, Any]]):
     """Pack documents' token ids into rows of exactly ``seq_len`` tokens.
 
     Options:
@@ -107,6 +110,13 @@ class Pack(Node[dict[str, np.ndarray]]):
     - ``input_field`` / ``labels_field``: record fields holding the token ids and optional labels
       (``labels_field=None``: labels are always the token ids).
     - ``pad_token_id``: ``input_ids`` value at padding.
+    - ``token_fields``: per-token record fields (loss masks, token types), sliced like the
+      labels; a list of names (padded with 0) or a mapping of names to pad values.
+    - ``document_fields``: per-document record fields (images, paths, metadata), carried to
+      the row as ``[(offset, value), ...]``, one entry per piece (``None`` after a split's first).
+    - ``length_fn``: ``length_fn(record)``, an int >= the record's token count, is its cost in
+      the row: its tokens, then positions reserved for a processor to fill (image tokens). Such
+      documents are never split, so it needs ``overlong="drop"`` or ``"truncate"``.
 
     Rows are dicts of numpy arrays (see ``resumable.pack.rows``); ``Pack.collate`` stacks them
     into batches. ``stats`` reports what the packer did. Once the upstream ends, the open rows
@@ -115,6 +125,10 @@ class Pack(Node[dict[str, np.ndarray]]):
     """
 
     kind = "Pack"
+    _unknown_length = (
+        "a streaming packer knows how many rows an epoch gives only once it has packed it; "
+        "strategy='bfd' without buffer_size plans the epoch ahead and has a len()"
+    )
 
     collate = staticmethod(collate_rows)
 
@@ -137,6 +151,9 @@ class Pack(Node[dict[str, np.ndarray]]):
         input_field: str = "input_ids",
         labels_field: str | None = "labels",
         pad_token_id: int = 0,
+        token_fields: Sequence[str] | Mapping[str, PadValue] | None = None,
+        document_fields: Sequence[str] | None = None,
+        length_fn: Callable[[Any], int] | None = None,
     ) -> None:
         super().__init__(upstream)
         kind = self.kind
@@ -156,6 +173,15 @@ class Pack(Node[dict[str, np.ndarray]]):
             raise ConfigError(f"{kind}: labels_field must be a str or None, got {labels_field!r}")
         if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int):
             raise ConfigError(f"{kind}: pad_token_id must be an int, got {pad_token_id!r}")
+        token_pads = _token_fields(kind, token_fields)
+        document_names = _names(kind, DOCUMENT_FIELDS, document_fields, [name for name, _ in token_pads])
+        if length_fn is not None and not callable(length_fn):
+            raise ConfigError(f"{kind}: length_fn must be callable or None, got {length_fn!r}")
+        if length_fn is not None and overlong == "split":
+            raise ConfigError(
+                f"{kind}: with a length_fn a document is packed whole, by its cost, so one over seq_len "
+                "cannot be split; pass overlong='drop' or overlong='truncate'"
+            )
 
         if not upstream._traceable():
             raise ConfigError(untraceable(kind, upstream))
@@ -176,13 +202,27 @@ class Pack(Node[dict[str, np.ndarray]]):
         self.input_field = input_field
         self.labels_field = labels_field
         self.pad_token_id = pad_token_id
-        self._documents = Documents(kind, seq_len, overlong, input_field, labels_field)
+        self.token_fields = dict(token_pads)
+        self.document_fields = list(document_names)
+        self.length_fn = length_fn
+        self._documents = Documents(
+            kind,
+            seq_len,
+            overlong,
+            input_field,
+            labels_field,
+            tuple(self.token_fields),
+            document_names,
+            length_fn,
+        )
         self._format = RowFormat(
             seq_len=seq_len,
             cu_len=cu_seqlens_length(seq_len, max_documents),
             pad_token_id=pad_token_id,
             mask_first_token=mask_first_token,
             continue_positions=split_positions == "continue",
+            token_fields=token_pads,
+            document_fields=document_names,
         )
         self._reset()
 
@@ -212,8 +252,16 @@ class Pack(Node[dict[str, np.ndarray]]):
 
     # -- iteration ---------------------------------------------------------------------------
 
-    def _next(self) -> dict[str, np.ndarray]:
+    def _next(self) -> dict[str, Any]:
         return self._format.build(self._rows.next_segments())
+
+    def _known_length(self) -> int:
+        """Rows of this consumer's epoch for a whole-epoch plan (planning it if it was not
+        yet; inherited rows included), else unknown: a streaming packer knows its rows only once
+        it has packed them."""
+        if isinstance(self._rows, PlannedRows):
+            return self._rows.length()
+        return super()._known_length()
 
     # -- epochs and state --------------------------------------------------------------------
 
@@ -225,7 +273,7 @@ class Pack(Node[dict[str, np.ndarray]]):
             self._rows = PlannedRows.fresh(self, rows.inherited.of_epoch(rows.epoch))
 
     def _config(self) -> dict[str, Any]:
-        return {
+        config = {
             SEQ_LEN: self.seq_len,
             STRATEGY: self.strategy,
             BUFFER_SIZE: self.buffer_size,
@@ -237,6 +285,22 @@ class Pack(Node[dict[str, np.ndarray]]):
             LABELS_FIELD: self.labels_field,
             PAD_TOKEN_ID: self.pad_token_id,
         }
+        if self.token_fields:
+            config[TOKEN_FIELDS] = self.token_fields
+        if self.document_fields:
+            config[DOCUMENT_FIELDS] = self.document_fields
+        if self.length_fn is not None:
+            config[LENGTH_FN] = True
+        return config
+
+    def _check_config(self, state: dict[str, Any], path: str) -> None:
+        """Also reject a state saved with a payload option this packer does not have (they are
+        saved only when set)."""
+        super()._check_config(state, path)
+        config = self._config()
+        for key in PAYLOAD_OPTIONS:
+            if key in state and key not in config:
+                raise StateError(f"{path}: state was saved with {key}={short_repr(state[key])}, this pipeline has none")
 
     def _progress(self) -> dict[str, Any]:
         return self._rows.progress()
@@ -268,3 +332,30 @@ def _check_positive_int(kind: str, name: str, value: Any) -> None:
 def _check_choice(kind: str, name: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ConfigError(f"{kind}: unknown {name} {value!r}, expected one of {', '.join(map(repr, choices))}")
+
+
+def _names(kind: str, option: str, value: Any, taken: list[str]) -> tuple[str, ...]:
+    """Field names given as a list (or tuple) of distinct strings, none a row field or in ``taken``."""
+    if value is None:
+        return ()
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{kind}: {option} must be a list of field names, got {value!r}")
+    for name in value:
+        if not isinstance(name, str):
+            raise ConfigError(f"{kind}: {option} must hold field names (str), got {name!r}")
+        if name in ROW_FIELDS or name in taken:
+            raise ConfigError(f"{kind}: {option} names {name!r}, which is already a field of the rows")
+        taken = [*taken, name]
+    return tuple(value)
+
+
+def _token_fields(kind: str, value: Any) -> tuple[tuple[str, PadValue], ...]:
+    """``(name, pad value)`` of each token field: a list pads with 0, a mapping names the pads."""
+    if not isinstance(value, Mapping):
+        return tuple((name, 0) for name in _names(kind, TOKEN_FIELDS, value, []))
+    names = _names(kind, TOKEN_FIELDS, list(value), [])
+    for name in names:
+        pad = value[name]
+        if not isinstance(pad, (int, float)) or (isinstance(pad, float) and not math.isfinite(pad)):
+            raise ConfigError(f"{kind}: token field {name!r} pads with {pad!r}; expected an int, a float or a bool")
+    return tuple((name, value[name]) for name in names)

@@ -13,6 +13,15 @@ compiled model sees one shape for the whole run:
   is a segment of its own, so the boundaries always end at ``seq_len``; unused entries repeat
   ``seq_len`` (empty segments, which varlen kernels accept).
 - ``cu_seqlens_count`` (int32, scalar): how many leading entries of ``cu_seqlens`` are valid.
+
+With payload options, a row also holds each token field (``seq_len``, the dtype of its pieces'
+arrays: their slices, then the field's pad value) and each document field (a list with one
+``(offset in the row, value)`` per piece, in piece order: entry ``i`` belongs to document id
+``i + 1``; later pieces of a split document carry ``None``). A document whose packing cost
+exceeds its tokens (``length_fn``) occupies ``cost`` positions: its tokens, then reserved
+positions (``pad_token_id``, labels -100, the token fields' pad values) inside its segment, so
+``position_ids``, ``document_ids`` and ``cu_seqlens`` already describe the row once a processor
+expands the document (an image placeholder into image tokens) within its segment.
 """
 
 from __future__ import annotations
@@ -21,6 +30,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
+
+from resumable.errors import SourceError
 
 IGNORE_INDEX = -100
 
@@ -32,14 +43,34 @@ CU_SEQLENS = "cu_seqlens"
 CU_SEQLENS_COUNT = "cu_seqlens_count"
 ROW_FIELDS = (INPUT_IDS, LABELS, POSITION_IDS, DOCUMENT_IDS, CU_SEQLENS, CU_SEQLENS_COUNT)
 
+PadValue = int | float | bool
+"""A token field's value at padding and at reserved positions."""
 
-class Segment(NamedTuple):
-    """Tokens ``[start, end)`` of one document (labels default to the tokens)."""
+
+class Document(NamedTuple):
+    """A record as the packer reads it: token ids, labels (None: the token ids), the token
+    fields' arrays and the document fields' values (in the order of the packer's options),
+    and ``extra``: positions its packing cost reserves beyond its tokens (0 without
+    ``length_fn``; such a document is never split, so only a piece starting at 0 has any)."""
 
     tokens: np.ndarray
     labels: np.ndarray | None
+    fields: tuple[np.ndarray, ...] = ()
+    payloads: tuple[Any, ...] = ()
+    extra: int = 0
+
+
+class Segment(NamedTuple):
+    """Tokens ``[start, end)`` of one document."""
+
+    document: Document
     start: int
     end: int
+
+    @property
+    def cost(self) -> int:
+        """Positions the segment takes in its row: its tokens and the document's reserved ones."""
+        return self.end - self.start + self.document.extra
 
 
 def cu_seqlens_length(seq_len: int, max_documents: int | None) -> int:
@@ -61,9 +92,13 @@ class RowFormat:
     pad_token_id: int = 0
     mask_first_token: bool = False
     continue_positions: bool = False
+    token_fields: tuple[tuple[str, PadValue], ...] = ()
+    """``(name, pad value)`` of every token field, in the order of ``Document.fields``."""
+    document_fields: tuple[str, ...] = ()
+    """Names of the document fields, in the order of ``Document.payloads``."""
 
-    def build(self, segments: Sequence[Segment]) -> dict[str, np.ndarray]:
-        """One row from segments whose lengths sum to at most ``seq_len`` (one copy per segment)."""
+    def build(self, segments: Sequence[Segment]) -> dict[str, Any]:
+        """One row from segments whose costs sum to at most ``seq_len`` (one copy per segment and field)."""
         seq_len = self.seq_len
         count = len(segments)
         input_ids = np.full(seq_len, self.pad_token_id, dtype=np.int64)
@@ -71,13 +106,14 @@ class RowFormat:
         lengths = np.empty(count, dtype=np.int64)
         offsets = np.zeros(count, dtype=np.int64)
         used = 0
-        for index, (tokens, source_labels, start, end) in enumerate(segments):
+        for index, (document, start, end) in enumerate(segments):
+            tokens, source_labels = document.tokens, document.labels
             stop = used + end - start
             input_ids[used:stop] = tokens[start:end]
             labels[used:stop] = (tokens if source_labels is None else source_labels)[start:end]
-            lengths[index] = end - start
+            lengths[index] = end - start + document.extra
             offsets[index] = start
-            used = stop
+            used = stop + document.extra
         padding = seq_len - used
 
         cu_seqlens = np.full(self.cu_len, seq_len, dtype=np.int32)
@@ -95,7 +131,7 @@ class RowFormat:
 
         if self.mask_first_token:
             labels[starts] = IGNORE_INDEX
-        return {
+        row: dict[str, Any] = {
             INPUT_IDS: input_ids,
             LABELS: labels,
             POSITION_IDS: position_ids,
@@ -103,36 +139,67 @@ class RowFormat:
             CU_SEQLENS: cu_seqlens,
             CU_SEQLENS_COUNT: np.array(count + 1 + (padding > 0), dtype=np.int32),
         }
+        if self.token_fields or self.document_fields:
+            row.update(self._payloads(segments, starts.tolist()))
+        return row
+
+    def _payloads(self, segments: Sequence[Segment], starts: list[int]) -> dict[str, Any]:
+        """The token fields (sliced like the tokens) and document fields of a row whose
+        segments start at ``starts``."""
+        payloads: dict[str, Any] = {}
+        for column, (name, pad) in enumerate(self.token_fields):
+            arrays = [document.fields[column] for document, _, _ in segments]
+            dtype = np.result_type(*arrays)
+            try:
+                values = np.full(self.seq_len, pad, dtype=dtype)
+            except (OverflowError, ValueError) as exc:
+                raise SourceError(
+                    f"Pack: token field {name!r} of dtype {dtype} cannot hold its pad value {pad!r}"
+                ) from exc
+            for array, (_, start, end), at in zip(arrays, segments, starts):
+                values[at : at + end - start] = array[start:end]
+            payloads[name] = values
+        for column, name in enumerate(self.document_fields):
+            payloads[name] = [
+                (at, document.payloads[column] if start == 0 else None)
+                for (document, start, _), at in zip(segments, starts)
+            ]
+        return payloads
 
 
-def collate_rows(
-    rows: Sequence[Mapping[str, np.ndarray]], as_torch: bool = False, flatten: bool = False
-) -> dict[str, Any]:
+def collate_rows(rows: Sequence[Mapping[str, Any]], as_torch: bool = False, flatten: bool = False) -> dict[str, Any]:
     """Stack packed rows into a batch: ``.batch(8, collate_fn=collate_rows)``.
 
-    By default every field gains a leading batch axis: ``(B, seq_len)`` token fields,
-    ``(B, cu_len)`` ``cu_seqlens`` and ``(B,)`` ``cu_seqlens_count``.
+    By default every array field gains a leading batch axis: ``(B, seq_len)`` token fields,
+    ``(B, cu_len)`` ``cu_seqlens`` and ``(B,)`` ``cu_seqlens_count``; a document field becomes
+    a list of the rows' lists.
 
     With ``flatten=True`` the batch is one long sequence, the layout flash-attention varlen
     kernels take: token fields of shape ``(1, B * seq_len)``, ``document_ids`` numbered across
     the batch, and ``cu_seqlens`` of fixed length ``B * (cu_len - 1) + 1`` holding every row's
-    segments in order (valid count in ``cu_seqlens_count``, unused entries ``B * seq_len``).
+    segments in order (valid count in ``cu_seqlens_count``, unused entries ``B * seq_len``);
+    a document field is one list, its offsets counted from the start of the batch.
 
     ``as_torch=True`` returns torch tensors (sharing memory with the stacked arrays).
     """
     if not rows:
         raise ValueError("collate_rows needs at least one row")
-    batch = {field: np.stack([row[field] for row in rows]) for field in ROW_FIELDS}
+    batch: dict[str, Any] = {
+        field: np.stack([row[field] for row in rows]) if isinstance(value, np.ndarray) else [row[field] for row in rows]
+        for field, value in rows[0].items()
+    }
     if flatten:
         batch = _flatten(batch)
     if as_torch:
         import torch
 
-        return {field: torch.from_numpy(array) for field, array in batch.items()}
+        return {
+            field: torch.from_numpy(value) if isinstance(value, np.ndarray) else value for field, value in batch.items()
+        }
     return batch
 
 
-def _flatten(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def _flatten(batch: dict[str, Any]) -> dict[str, Any]:
     rows, seq_len = batch[INPUT_IDS].shape
     cu_len = batch[CU_SEQLENS].shape[1]
     segments = batch[CU_SEQLENS_COUNT].astype(np.int64) - 1
@@ -146,8 +213,16 @@ def _flatten(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     earlier = np.concatenate(([0], np.cumsum(document_ids.max(axis=1))[:-1])).astype(np.int32)
     document_ids = np.where(document_ids > 0, document_ids + earlier[:, None], 0).astype(np.int32)
 
-    flat = {field: batch[field].reshape(1, rows * seq_len) for field in (INPUT_IDS, LABELS, POSITION_IDS)}
-    flat[DOCUMENT_IDS] = document_ids.reshape(1, rows * seq_len)
-    flat[CU_SEQLENS] = cu_seqlens
-    flat[CU_SEQLENS_COUNT] = np.array(starts.size + 1, dtype=np.int32)
+    flat: dict[str, Any] = {
+        DOCUMENT_IDS: document_ids.reshape(1, rows * seq_len),
+        CU_SEQLENS: cu_seqlens,
+        CU_SEQLENS_COUNT: np.array(starts.size + 1, dtype=np.int32),
+    }
+    for field, value in batch.items():  # in the batch's order
+        if field in flat:
+            flat[field] = flat.pop(field)
+        elif isinstance(value, np.ndarray):  # a per-token field
+            flat[field] = value.reshape(1, rows * seq_len)
+        else:  # a document field: (offset, value) lists, offsets counted from the batch's start
+            flat[field] = [(at + row * seq_len, item) for row, entries in enumerate(value) for at, item in entries]
     return flat

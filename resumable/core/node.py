@@ -55,6 +55,8 @@ class Node(Generic[T]):
     _upstream_only: ClassVar[bool] = True  # children and their states are the base class's
     # Options that may change on an elastic resume (a rescale), though not on a plain restore.
     _elastic_options: ClassVar[tuple[str, ...]] = ()
+    # Why ``len()`` of this node is unknown, in the TypeError of the default ``_known_length``.
+    _unknown_length: ClassVar[str] = "the number of items it yields is unknown until it has read them"
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -118,6 +120,26 @@ class Node(Generic[T]):
 
     def _on_epoch_start(self) -> None:
         """Hook: clear per-epoch counters and buffers."""
+
+    # -- length -----------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        """Items of the current epoch for this consumer (the whole epoch, not what remains):
+        the steps per epoch of a learning-rate schedule. TypeError, naming the node that makes
+        it unknown, where it cannot be told without reading the data."""
+        return self._known_length()
+
+    def __bool__(self) -> bool:
+        """A node is always true, whatever its length (``__len__`` may raise or be 0)."""
+        return True
+
+    def _known_length(self) -> int:
+        """Hook: items of this node's current epoch for this consumer; raise TypeError naming
+        the node when unknown. A node whose length follows from its upstream's asks for
+        ``len(self.upstream)`` (an indexed node's ``__len__`` is its own), so the TypeError of the
+        node that makes the length unknown reaches the caller unchanged. Only
+        TypeError: ``list(node)`` takes ``len()`` as a size hint and lets only TypeError pass."""
+        raise TypeError(f"{self.kind}: {self._unknown_length}")
 
     # -- shutdown ---------------------------------------------------------------------------
 

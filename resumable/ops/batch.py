@@ -51,6 +51,11 @@ class Batch(Node[Any], Generic[T]):
     def _config(self) -> dict[str, Any]:
         return {BATCH_SIZE: self.batch_size, DROP_LAST: self.drop_last}
 
+    def _known_length(self) -> int:
+        """Whole batches of the upstream's epoch, and the last, shorter one unless ``drop_last``."""
+        whole, rest = divmod(len(self.upstream), self.batch_size)
+        return whole + (1 if rest and not self.drop_last else 0)
+
     def _next(self) -> Any:
         items: list[T] = []
         upstream = self.upstream

@@ -18,6 +18,10 @@ class Filter(Node[T]):
     """Keep items for which ``predicate(item)`` is true; ``dropped`` counts the others this epoch."""
 
     kind = "Filter"
+    _unknown_length = (
+        "the number of items a streaming filter keeps is unknown until it has read them; "
+        "use .filter(predicate, index=True) for a known length"
+    )
 
     upstream: Node[Any]
 

@@ -35,6 +35,9 @@ class Map(Node[U]):
     def _next(self) -> U:
         return self.fn(next(self.upstream))
 
+    def _known_length(self) -> int:
+        return len(self.upstream)
+
     def last_key(self) -> RecordKey | None:
         return self.upstream.last_key()
 

@@ -316,6 +316,27 @@ class Mix(Node[T]):
         self._cached_plan = None
         self._cached_base = None
 
+    # -- length ----------------------------------------------------------------------------------
+
+    def _known_length(self) -> int:
+        """With ``on_end="drop"``: every component with a weight above zero is read to its end,
+        and one without gives what it gave while it had one. Otherwise TypeError: a stopping
+        mix ends where the schedule first picks an exhausted component, known only by running
+        the schedule, and a restarting mix never ends."""
+        if self.on_end == "restart":
+            raise TypeError(
+                f"{self.kind}: with on_end='restart' the mix never ends; use on_end='drop' for a known length"
+            )
+        if self.on_end == "stop":
+            raise TypeError(
+                f"{self.kind}: with on_end='stop' the mix ends where the schedule first picks an exhausted component, "
+                "known only by running the schedule; use on_end='drop' for a known length"
+            )
+        return sum(
+            len(self.components[name]) if weight > 0 else self._counts[name]
+            for name, weight in self._weights.items()
+        )
+
     # -- provenance ------------------------------------------------------------------------------
 
     def last_key(self) -> RecordKey | None:

@@ -64,6 +64,11 @@ class ReadAhead(Node[T]):
         super()._begin_epoch(epoch)
         self._recorded, self._recorded_key = None, None
 
+    def _known_length(self) -> int:
+        """The upstream's: one item handed out per item read (the reader's lead is not counted)."""
+        with self._upstream_guard():
+            return len(self.upstream)
+
     def last_key(self) -> RecordKey | None:
         if self._recorded is None:
             return self.upstream.last_key()

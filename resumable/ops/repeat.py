@@ -4,10 +4,15 @@ from __future__ import annotations
 
 from typing import Any, Sequence, TypeVar
 
+from resumable.core.indexed import IndexedNode
 from resumable.core.keys import RecordKey
 from resumable.core.node import Node
 from resumable.core.state import require, require_count
 from resumable.errors import ConfigError, StateError
+from resumable.ops.batch import Batch
+from resumable.ops.map import Map
+from resumable.ops.read_ahead import ReadAhead
+from resumable.order.shard import Shard
 
 T = TypeVar("T")
 
@@ -54,6 +59,16 @@ class Repeat(Node[T]):
             self._yielded = True
             return item
 
+    def _known_length(self) -> int:
+        """``times`` upstream epochs, known when each has as many items as the current one."""
+        if self.times is None:
+            raise TypeError(f"{self.kind}: repeat() without a count runs forever; use .repeat(n) for a known length")
+        length = len(self.upstream)
+        varying = _varying_length(self.upstream)
+        if varying is not None:
+            raise TypeError(f"{self.kind}: {varying}, so {self.times} epochs of it have no single length")
+        return self.times * length
+
     def _on_epoch_start(self) -> None:
         self.epochs_done = 0
         self._yielded = False
@@ -84,6 +99,21 @@ class Repeat(Node[T]):
             require(old, YIELDED, bool, path) or epochs > min(done) for old, epochs in zip(olds, done)
         )
         return state
+
+
+def _varying_length(upstream: Node[Any]) -> str | None:
+    """Why the upstream's epochs may differ in length (naming the node), or None when each has
+    as many items as the current one: records by random access (no shard rescaled this epoch),
+    through maps, read-ahead and batches."""
+    for node in upstream._subtree():
+        if isinstance(node, Shard) and node.remap is not None:
+            return (
+                f"{node.kind} was rescaled: this epoch holds what the old consumers left of it, the next ones "
+                "a whole stride"
+            )
+        if not isinstance(node, (IndexedNode, Map, ReadAhead, Batch)):
+            return f"the length of {node.kind} may change from one epoch to the next"
+    return None
 
 
 def _refuse_inner_repeat(upstream: Node[Any]) -> None:

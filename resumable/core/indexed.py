@@ -233,6 +233,38 @@ class IndexedNode(Node[T]):
 
         return Shard(self, rank, world_size, split_workers=split_workers)
 
+    def filter(
+        self,
+        predicate: Callable[[T], bool],
+        index: bool = False,
+        index_key: str | None = None,
+        cache_dir: str | None = None,
+        num_proc: int = 0,
+        progress: bool = True,
+        batched: bool = False,
+    ) -> Node[T]:
+        """Keep the records ``predicate`` accepts. Without ``index``, as they stream past (random
+        access ends here). With ``index``, scan this node once (in ``num_proc`` processes, with a
+        progress bar) for the positions it keeps; shuffle, shard and ``len()`` then work after the
+        filter. ``cache_dir`` keeps that index in a memory-mapped sidecar shared by processes and
+        jobs; change ``index_key`` whenever the predicate's meaning changes. With ``batched``,
+        ``predicate`` takes a list of records and returns one bool per record (index only)."""
+        if not index:
+            if batched:
+                raise ConfigError(f"{self.kind}: filter(batched=True) needs index=True")
+            return super().filter(predicate)
+        from resumable.ops.indexed_filter import IndexedFilter
+
+        return IndexedFilter(
+            self,
+            predicate,
+            index_key=index_key,
+            cache_dir=cache_dir,
+            num_proc=num_proc,
+            progress=progress,
+            batched=batched,
+        )
+
     # -- the cursor -------------------------------------------------------------------------
     # A chunk of raw records is consumed through C-level iterators, map(fn, map(decode,
     # iter(chunk))), so handing out a record costs one call from __next__; the position is

@@ -43,10 +43,18 @@ def agree_min(offer: int, group: Any = None) -> int:
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()):
         return offer
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
-    tensor = torch.tensor([offer], dtype=torch.int64, device=device)
+    tensor = torch.tensor([offer], dtype=torch.int64, device=collective_device(group))
     dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=group)
     return int(tensor.item())
+
+
+def collective_device(group: Any = None) -> Any:
+    """Where a collective's tensor must live in ``group``: the current CUDA device under NCCL,
+    else the CPU (gloo)."""
+    torch = sys.modules["torch"]
+    if torch.distributed.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 class Even(Node[Any]):

@@ -5,6 +5,7 @@ from resumable.order.topology import dataloader_worker, distributed_rank
 from resumable.torch.checkpoint import load, save
 from resumable.torch.dataset import PipelineDataset
 from resumable.torch.distributed import PerRank, load_all_ranks
+from resumable.torch.figures import pack_figures
 from resumable.torch.loader import Loader
 from resumable.torch.tdnodes import FromTorchdata, ToTorchdata
 
@@ -18,5 +19,6 @@ __all__ = [
     "distributed_rank",
     "load",
     "load_all_ranks",
+    "pack_figures",
     "save",
 ]

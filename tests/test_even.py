@@ -86,7 +86,8 @@ def test_one_rank_yields_each_upstream_epoch_whole() -> None:
     def build() -> rs.Node:
         return rs.from_list(list(range(11))).shuffle(4).batch(3)
 
-    pipe = Even(build(), times=3)
+    pipe = build().even(times=3)
+    assert isinstance(pipe, rs.nodes.Even)
     epochs = [list(pipe) for _ in range(4)]
     assert [len(epoch) for epoch in epochs] == [4, 4, 4, 0]
     assert [item for epoch in epochs for item in epoch] == upstream_stream(build, 3)

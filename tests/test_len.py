@@ -75,8 +75,9 @@ def test_len_is_what_an_epoch_yields(chain: str, kind: str, size: int) -> None:
 
 @pytest.mark.parametrize("chain", sorted(CHAINS))
 def test_len_after_restore_is_the_epochs(chain: str) -> None:
-    """Restored at the start, middle, last item and the step after an epoch's end: len() is
-    the length of the epoch the restored pipeline is in, never what remains of it."""
+    """Restored (once and twice in a row) at the start, middle, last item and the step after an
+    epoch's end: len() is the length of the epoch the restored pipeline is in, never what
+    remains of it."""
 
     def build() -> Node[Any]:
         return CHAINS[chain](rs.from_list(records(25)), 1, 3)
@@ -88,6 +89,8 @@ def test_len_after_restore_is_the_epochs(chain: str) -> None:
             take(pipe, k)
             state = pipe.get_state()
         with restored(build, state) as resumed:
+            with restored(build, resumed.get_state()) as twice:  # restored twice in a row
+                assert len(twice) == length
             in_epoch = count_epoch(resumed)
             assert in_epoch <= len(resumed) == length
             if k <= length:

@@ -7,8 +7,6 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING, Any, Iterator
 
-import numpy as np
-
 from resumable.core.keys import RecordKey
 from resumable.core.state import ENDED, require
 from resumable.errors import ConfigError, SourceError, StateError
@@ -32,6 +30,7 @@ if TYPE_CHECKING:
     from resumable.core.node import Node
     from resumable.pack._documents import Documents
     from resumable.pack.node import Pack
+    from resumable.pack.rows import Document
 
 
 class BufferedRows:
@@ -76,7 +75,7 @@ class BufferedRows:
         if self._inherited:
             held = self._inherited.popleft()
             full = held.start + (held.end - held.start) // self._seq_len * self._seq_len
-            self._add(held.key, held.start, full, held.end, held.tokens, held.labels)
+            self._add(held.key, held.start, full, held.end, held.document)
             return
         upstream, documents = self._upstream, self._documents
         try:
@@ -88,26 +87,24 @@ class BufferedRows:
         key = upstream.last_key()
         if key is None:
             raise ConfigError(untraceable(documents.kind, upstream))
-        tokens, labels = documents.read(record, key)
-        full, end = documents.cut(len(tokens), self.counts)
+        document = documents.read(record, key)
+        full, end = documents.cut(document, self.counts)
         if not end:
             self._check_barren(key)
             return
         self._barren.clear()
-        self._add(key, 0, full, end, tokens, labels)
+        self._add(key, 0, full, end, document)
 
-    def _add(
-        self, key: RecordKey, start: int, full: int, end: int, tokens: np.ndarray, labels: np.ndarray | None
-    ) -> None:
+    def _add(self, key: RecordKey, start: int, full: int, end: int, document: Document) -> None:
         """Tokens ``[start, full)`` of a record make whole rows of their own, ``[full, end)``
-        one piece for the strategy."""
+        one piece for the strategy (placed by its cost)."""
         if full > start:
-            self._span = piece(key, start, full, tokens, labels)
+            self._span = piece(key, start, full, document)
         if end > full:
             item = self._next_id
             self._next_id = item + 1
-            self._pieces[item] = piece(key, full, end, tokens, labels)
-            self._ready.extend(self._packer.add(item, end - full))
+            held = self._pieces[item] = piece(key, full, end, document)
+            self._ready.extend(self._packer.add(item, held.cost))
 
     def _check_barren(self, key: RecordKey) -> None:
         """Fail instead of spinning forever when a whole upstream epoch gives no tokens (every
@@ -143,8 +140,8 @@ class BufferedRows:
     def _emit_span(self, span: Piece) -> list[Segment]:
         """The next whole row of a long document."""
         stop = span.start + self._seq_len
-        self._span = piece(span.key, stop, span.end, span.tokens, span.labels) if stop < span.end else None
-        segments = [Segment(span.tokens, span.labels, span.start, stop)]
+        self._span = piece(span.key, stop, span.end, span.document) if stop < span.end else None
+        segments = [Segment(span.document, span.start, stop)]
         count_row(self.counts, segments, self._seq_len)
         return segments
 
@@ -211,7 +208,7 @@ class BufferedRows:
 
         def load(entry: Any, where: str) -> int:
             loaded = fetcher.piece(entry, where)
-            if loaded.end - loaded.start > seq_len:
+            if loaded.cost > seq_len:
                 raise StateError(f"{path}: {where} piece {entry} is longer than seq_len={seq_len}")
             item = len(pieces)
             pieces[item] = loaded
@@ -221,7 +218,7 @@ class BufferedRows:
         ready: deque[Row] = deque()
         for row in ready_rows:
             items = [load(entry, READY) for entry in row]
-            used = sum(pieces[item].end - pieces[item].start for item in items)
+            used = sum(pieces[item].cost for item in items)
             if not items or used > seq_len or len(items) > (pack.max_documents or seq_len):
                 raise StateError(f"{path}: a ready row {row} does not fit a row of seq_len={seq_len}")
             ready.append(items)
@@ -233,7 +230,7 @@ class BufferedRows:
         inherited = deque(fetcher.piece(entry, INHERITED) for entry in inherited_refs)
 
         try:
-            packer.restore([[(item, pieces[item].end - pieces[item].start) for item in group] for group in groups])
+            packer.restore([[(item, pieces[item].cost) for item in group] for group in groups])
         except ValueError as exc:
             raise StateError(f"{path}: the {OPEN} groups do not fit strategy {pack.strategy!r}: {exc}") from exc
         rows = cls(pack.upstream, pack._documents, packer, counts)

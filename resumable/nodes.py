@@ -4,7 +4,9 @@ from resumable.core.indexed import IndexedNode
 from resumable.core.node import Node
 from resumable.ops.batch import Batch
 from resumable.ops.cache import Cache
+from resumable.ops.even import Even
 from resumable.ops.filter import Filter
+from resumable.ops.indexed_filter import IndexedFilter
 from resumable.ops.map import IndexedMap, Map
 from resumable.ops.mix import Mix
 from resumable.ops.parallel_map import MapError, ParallelMap
@@ -26,9 +28,11 @@ __all__ = [
     "Batch",
     "BlockShuffle",
     "Cache",
+    "Even",
     "Filter",
     "FromList",
     "HfSource",
+    "IndexedFilter",
     "IndexedMap",
     "IndexedNode",
     "JsonlSource",

@@ -31,6 +31,7 @@ from resumable.errors import ConfigError, StateError
 
 if TYPE_CHECKING:
     from resumable.ops.batch import Batch
+    from resumable.ops.even import Even
     from resumable.ops.repeat import Repeat
     from resumable.order.shard import Shard
     from resumable.pack.node import Pack
@@ -386,6 +387,13 @@ class Node(Generic[T]):
         from resumable.ops.repeat import Repeat
 
         return Repeat(self, times)
+
+    def even(self, times: int | None = None, group: Any = None) -> Even:
+        """Run epochs back to back with the same number of items on every rank in each (agreed
+        once per epoch through ``torch.distributed``), the surplus carried over; place it last."""
+        from resumable.ops.even import Even
+
+        return Even(self, times, group)
 
     def shuffle(self, seed: int = 0, block_size: int | str | None = None, window: int | None = None) -> Node[T]:
         """Global shuffle; needs random access (place it before filter, batch or pack)."""

@@ -64,8 +64,9 @@ class Shard(IndexedNode[T]):
         return self._consumer.resolve()[0]
 
     def __len__(self) -> int:
-        topology = self.topology
-        return shard_size(len(self.upstream), topology.consumer, topology.num_consumers)
+        """This consumer's stride of the epoch being read: over the positions the old consumers
+        left while ``remap`` (always the current epoch's) is held."""
+        return self._stride(self.remap)
 
     def _remap_of(self, epoch: int) -> Remap | None:
         for remap in (self.remap, self.next_remap):
@@ -74,11 +75,13 @@ class Shard(IndexedNode[T]):
         return None
 
     def _length(self, epoch: int) -> int:
-        remap = self._remap_of(epoch)
-        if remap is None:
-            return len(self)
+        return self._stride(self._remap_of(epoch))
+
+    def _stride(self, remap: Remap | None) -> int:
+        """This consumer's share of the upstream's positions, or of ``remap``'s space."""
         topology = self.topology
-        return shard_size(remap.length, topology.consumer, topology.num_consumers)
+        total = len(self.upstream) if remap is None else remap.length
+        return shard_size(total, topology.consumer, topology.num_consumers)
 
     def _enter_epoch(self, epoch: int) -> None:
         if self.remap is not None and self.remap.epoch != epoch:

@@ -5,6 +5,15 @@ a row is the list of ids placed in it, in placement order. The streaming packers
 set of open rows (or, for ``WindowBFD``, a window of pieces) and say which rows are closed by
 each ``add``; the node turns those ids back into token slices.
 
+A long document's whole rows need no packing, but if they left at once they would run ahead of
+the pieces that came with them, which wait for their rows to fill: the first rows of an epoch
+would hold long documents only. So the buffered packers hold them too (``add_whole``: one item
+for all of a document's whole rows) and let them leave in step with the pieces: when closed
+rows take a share of the piece tokens held, about the same share of the whole rows held leaves
+with them, oldest first, spread evenly among them. Over any stretch of rows, long and short
+documents then keep their shares of the stream, and the pieces' rows are exactly those of a
+packer without whole rows, so the packing efficiency is unchanged.
+
 Every decision of a streaming packer is a function of its open groups (in canonical order) and
 the incoming lengths, so ``groups()`` followed by ``restore()`` on a fresh packer reproduces the
 same future exactly: this is what makes the packer's checkpoint a list of references.
@@ -14,13 +23,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from bisect import bisect_left, insort
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Sequence
 
 import numpy as np
 
 Row = list[int]
-"""Ids of the pieces in one output row, in placement order."""
+"""Ids of the pieces in one output row, in placement order; ``[item]`` for whole rows from
+``add_whole`` stands for all of that item's rows, one after the other."""
 
 Group = Sequence[tuple[int, int]]
 """``(id, length)`` pairs of one open group, as passed to ``restore``."""
@@ -35,42 +45,129 @@ class Packer(ABC):
     """A streaming packer: pieces go in one at a time, closed rows come out.
 
     ``max_items`` bounds the pieces per row (a row holding that many is closed as if full).
+    ``max_whole`` bounds the whole-row items held (see the module docstring); with 0, or while
+    no piece is held, whole rows leave at once.
+
+    Subclasses place pieces (``_place``, ``_flush``, ``_piece_groups``, ``_restore``) and keep
+    ``_tokens``, the tokens of the pieces they hold; this class holds the whole rows. A packer
+    that may hold whole rows ends ``groups()`` with one group of them (oldest first), even
+    empty. Groups without it were saved before whole rows waited: the restored packer then
+    lets them leave at once, so an old checkpoint continues as it would have.
     """
 
-    def __init__(self, seq_len: int, max_items: int | None = None) -> None:
+    def __init__(self, seq_len: int, max_items: int | None = None, max_whole: int = 0) -> None:
         if seq_len <= 0:
             raise ValueError(f"seq_len must be positive, got {seq_len}")
         if max_items is not None and max_items <= 0:
             raise ValueError(f"max_items must be positive, got {max_items}")
         self.seq_len = seq_len
         self.max_items = max_items if max_items is not None else seq_len
+        self.max_whole = max_whole
+        self._whole_limit = max_whole  # 0 after restoring groups saved without whole rows
+        self._whole: deque[tuple[int, int]] = deque()  # (id, rows), oldest first
+        self._whole_rows = 0
+        self._tokens = 0
 
-    @abstractmethod
     def add(self, item: int, length: int) -> list[Row]:
         """Place a piece of ``0 < length <= seq_len``; return the rows this closed, in order."""
+        self._check_length(length)
+        held = self._tokens + length
+        rows = self._place(item, length)
+        return self._with_whole(rows, held - self._tokens, held) if self._whole else rows
 
-    @abstractmethod
+    def add_whole(self, item: int, rows: int) -> list[Row]:
+        """Hold ``rows > 0`` whole rows as one item; return the rows this released, in order."""
+        if rows <= 0:
+            raise ValueError(f"whole rows must be a positive count, got {rows}")
+        if not self._tokens or not self._whole_limit:
+            return [[item]]
+        self._whole.append((item, rows))
+        self._whole_rows += rows
+        if len(self._whole) > self._whole_limit:
+            return [[self._pop_whole()[0]]]
+        return []
+
     def flush(self) -> list[Row]:
         """Close every open row (end of the stream), in a canonical order; leave the packer empty."""
+        rows = self._flush()
+        return _interleave(rows, [self._pop_whole() for _ in range(len(self._whole))])
 
-    @abstractmethod
     def groups(self) -> list[Row]:
         """The open groups, in the canonical order that ``restore`` expects.
 
         The lists may be the packer's own (``get_state`` calls this often): read, never modify.
         """
+        groups = self._piece_groups()
+        return [*groups, [item for item, _ in self._whole]] if self._whole_limit else groups
 
-    @abstractmethod
     def restore(self, groups: Sequence[Group]) -> None:
         """Rebuild an empty packer from ``groups()`` of another one (ids may be renamed).
 
         Raises ValueError if the groups cannot come from this packer's configuration.
         """
+        whole: Group | None = None
+        if self.max_whole and self._ends_with_whole(groups):
+            groups, whole = groups[:-1], groups[-1]
+        self._restore(groups)
+        self._whole_limit = self.max_whole if whole is not None else 0
+        self._whole.clear()
+        self._whole_rows = 0
+        for item, length in whole or ():
+            if length <= 0 or length % self.seq_len:
+                raise ValueError(f"whole rows of {length} tokens are not a multiple of seq_len={self.seq_len}")
+            self._whole.append((item, length // self.seq_len))
+            self._whole_rows += length // self.seq_len
+        if len(self._whole) > self.max_whole:
+            raise ValueError(f"{len(self._whole)} whole-row items wait, at most {self.max_whole} do")
+        if self._whole and not self._tokens:
+            raise ValueError("whole rows wait only beside pieces, and no piece is held")
 
     @property
     @abstractmethod
     def pending(self) -> int:
         """Pieces held in open groups."""
+
+    @abstractmethod
+    def _place(self, item: int, length: int) -> list[Row]:
+        """Place a piece (``add`` checked it); return the rows this closed, in order."""
+
+    @abstractmethod
+    def _flush(self) -> list[Row]:
+        """Close every open row of pieces, in a canonical order."""
+
+    @abstractmethod
+    def _piece_groups(self) -> list[Row]:
+        """The groups of pieces, in canonical order."""
+
+    @abstractmethod
+    def _restore(self, groups: Sequence[Group]) -> None:
+        """Rebuild the pieces from ``_piece_groups()`` of another packer, and ``_tokens``."""
+
+    def _ends_with_whole(self, groups: Sequence[Group]) -> bool:
+        """Whether the last group holds whole rows: empty, or of lengths no piece group holds."""
+        return bool(groups) and (not groups[-1] or groups[-1][0][1] >= self.seq_len)
+
+    def _with_whole(self, rows: list[Row], closed: int, held: int) -> list[Row]:
+        """``rows``, which took ``closed`` of the ``held`` piece tokens, with the oldest whole
+        rows due: the same share, ``whole rows * closed / held``. That share is rarely a whole
+        number of items, and always rounding one way would drift; so the oldest item leaves
+        when what is due covers a pseudo-random fraction of it, drawn from the held counts:
+        right on average, and a function of the held groups like every other decision."""
+        if not closed:
+            return rows
+        due = self._whole_rows * closed  # rows due, times ``held``
+        whole = self._whole
+        released: list[tuple[int, int]] = []
+        while whole and due << 32 >= _threshold(self._whole_rows, self._tokens, due) * whole[0][1] * held:
+            released.append(self._pop_whole())
+            due -= released[-1][1] * held
+        return _interleave(rows, released)
+
+    def _pop_whole(self) -> tuple[int, int]:
+        """The oldest whole-row item and its rows, no longer held."""
+        item, rows = self._whole.popleft()
+        self._whole_rows -= rows
+        return item, rows
 
     def _check_length(self, length: int) -> None:
         if not 0 < length <= self.seq_len:
@@ -92,40 +189,39 @@ class Packer(ABC):
 
 
 class NextFit(Packer):
-    """``greedy``: one open row; a piece that does not fit closes it and opens the next."""
+    """``greedy``: one open row; a piece that does not fit closes it and opens the next. Its
+    pieces wait for one row at most, so whole rows leave at once."""
 
     def __init__(self, seq_len: int, max_items: int | None = None) -> None:
         super().__init__(seq_len, max_items)
         self._row: Row = []
-        self._used = 0
 
-    def add(self, item: int, length: int) -> list[Row]:
-        self._check_length(length)
+    def _place(self, item: int, length: int) -> list[Row]:
         closed: list[Row] = []
-        if self._row and self._used + length > self.seq_len:
+        if self._row and self._tokens + length > self.seq_len:
             closed.append(self._row)
-            self._row, self._used = [], 0
+            self._row, self._tokens = [], 0
         self._row.append(item)
-        self._used += length
-        if self._used == self.seq_len or len(self._row) == self.max_items:
+        self._tokens += length
+        if self._tokens == self.seq_len or len(self._row) == self.max_items:
             closed.append(self._row)
-            self._row, self._used = [], 0
+            self._row, self._tokens = [], 0
         return closed
 
-    def flush(self) -> list[Row]:
+    def _flush(self) -> list[Row]:
         rows = [self._row] if self._row else []
-        self._row, self._used = [], 0
+        self._row, self._tokens = [], 0
         return rows
 
-    def groups(self) -> list[Row]:
+    def _piece_groups(self) -> list[Row]:
         return [self._row] if self._row else []
 
-    def restore(self, groups: Sequence[Group]) -> None:
+    def _restore(self, groups: Sequence[Group]) -> None:
         if len(groups) > 1:
             raise ValueError(f"greedy keeps one open row, the state has {len(groups)}")
-        self._row, self._used = [], 0
+        self._row, self._tokens = [], 0
         for group in groups:
-            self._used = self._check_row(group)
+            self._tokens = self._check_row(group)
             self._row = [item for item, _ in group]
 
     @property
@@ -144,8 +240,8 @@ class FirstFit(Packer):
     """
 
     def __init__(self, seq_len: int, buffer_size: int, max_items: int | None = None) -> None:
-        super().__init__(seq_len, max_items)
-        self.buffer_size = _check_buffer(buffer_size)
+        super().__init__(seq_len, max_items, _check_buffer(buffer_size))
+        self.buffer_size = buffer_size
         size = 1
         while size < 2 * (buffer_size + 1):  # open rows never exceed buffer_size + 1
             size *= 2
@@ -157,12 +253,13 @@ class FirstFit(Packer):
         self._rows: OrderedDict[int, tuple[Row, int]] = OrderedDict()  # slot -> (items, capacity)
         self._next_slot = 0
         self._pending = 0
+        self._tokens = 0
 
     @property
     def pending(self) -> int:
         return self._pending
 
-    def restore(self, groups: Sequence[Group]) -> None:
+    def _restore(self, groups: Sequence[Group]) -> None:
         self._clear()
         pieces = sum(len(group) for group in groups)
         if pieces > self.buffer_size:
@@ -170,6 +267,7 @@ class FirstFit(Packer):
         for group in groups:
             used = self._check_row(group)
             self._open([item for item, _ in group], self.seq_len - used)
+            self._tokens += used
         self._pending = pieces
 
     def _set(self, slot: int, capacity: int) -> None:
@@ -219,38 +317,38 @@ class FirstFit(Packer):
             tree[node] = max(tree[2 * node], tree[2 * node + 1])
 
     def _close(self, slot: int) -> Row:
-        items, _ = self._rows.pop(slot)
+        items, capacity = self._rows.pop(slot)
         self._set(slot, -1)
         self._pending -= len(items)
+        self._tokens -= self.seq_len - capacity
         return items
 
-    def add(self, item: int, length: int) -> list[Row]:
-        self._check_length(length)
-        self._pending += 1
+    def _place(self, item: int, length: int) -> list[Row]:
         slot = self._leftmost(length)
+        if slot < 0 and (length == self.seq_len or self.max_items == 1):
+            return [[item]]
+        self._pending += 1
+        self._tokens += length
         if slot < 0:
-            if length == self.seq_len or self.max_items == 1:
-                self._pending -= 1
-                return [[item]]
             self._open([item], self.seq_len - length)
         else:
             items, capacity = self._rows[slot]
             items.append(item)
             capacity -= length
+            self._rows[slot] = (items, capacity)
             if capacity == 0 or len(items) == self.max_items:
                 return [self._close(slot)]
-            self._rows[slot] = (items, capacity)
             self._set(slot, capacity)
         if self._pending > self.buffer_size:
             return [self._close(next(iter(self._rows)))]
         return []
 
-    def flush(self) -> list[Row]:
+    def _flush(self) -> list[Row]:
         rows = [items for items, _ in self._rows.values()]
         self._clear()
         return rows
 
-    def groups(self) -> list[Row]:
+    def _piece_groups(self) -> list[Row]:
         return [items for items, _ in self._rows.values()]
 
 
@@ -266,27 +364,28 @@ class BestFit(Packer):
     closing the fullest open row never forces a new row open, so it packs no better than with
     unbounded open rows (about 97% on chat-like lengths at 2048, against 99% here).
 
-    Open groups are the buffered pieces by rounds waited, most first; within and across groups,
-    arrival order.
+    Open groups are the buffered pieces by rounds waited, most first (``MAX_ROUNDS + 1``
+    groups, some maybe empty; none when no piece waits); within and across groups, arrival order.
     """
 
     def __init__(self, seq_len: int, buffer_size: int, max_items: int | None = None) -> None:
-        super().__init__(seq_len, max_items)
-        self.buffer_size = _check_buffer(buffer_size)
+        super().__init__(seq_len, max_items, _check_buffer(buffer_size))
+        self.buffer_size = buffer_size
         self._clear()
 
     def _clear(self) -> None:
         self._items: list[int] = []
         self._lengths: list[int] = []
         self._rounds: list[int] = []
+        self._tokens = 0
 
-    def add(self, item: int, length: int) -> list[Row]:
-        self._check_length(length)
+    def _place(self, item: int, length: int) -> list[Row]:
         if length == self.seq_len or self.max_items == 1:
             return [[item]]
         self._items.append(item)
         self._lengths.append(length)
         self._rounds.append(0)
+        self._tokens += length
         return self._round() if len(self._items) > self.buffer_size else []
 
     def _round(self) -> list[Row]:
@@ -317,15 +416,16 @@ class BestFit(Packer):
         self._items = [items[i] for i in keep]
         self._lengths = [lengths[i] for i in keep]
         self._rounds = [rounds[i] + 1 for i in keep]
+        self._tokens = sum(self._lengths)
         return rows
 
-    def flush(self) -> list[Row]:
+    def _flush(self) -> list[Row]:
         plan = best_fit_decreasing(np.array(self._lengths, dtype=np.int64), self.seq_len, self.max_items)
         items = self._items
         self._clear()
         return [[items[i] for i in row] for row in plan]
 
-    def groups(self) -> list[Row]:
+    def _piece_groups(self) -> list[Row]:
         if not self._items:
             return []
         groups: list[Row] = [[] for _ in range(MAX_ROUNDS + 1)]
@@ -333,7 +433,10 @@ class BestFit(Packer):
             groups[MAX_ROUNDS - waited].append(item)
         return groups
 
-    def restore(self, groups: Sequence[Group]) -> None:
+    def _ends_with_whole(self, groups: Sequence[Group]) -> bool:
+        return len(groups) in (1, MAX_ROUNDS + 2)
+
+    def _restore(self, groups: Sequence[Group]) -> None:
         self._clear()
         if not groups:
             return
@@ -350,6 +453,7 @@ class BestFit(Packer):
                 self._items.append(item)
                 self._lengths.append(length)
                 self._rounds.append(MAX_ROUNDS - index)
+        self._tokens = sum(self._lengths)
 
     @property
     def pending(self) -> int:
@@ -358,44 +462,78 @@ class BestFit(Packer):
 
 class WindowBFD(Packer):
     """``bfd`` over a stream: collect ``buffer_size`` pieces, pack the window with
-    ``best_fit_decreasing`` and close all its rows at once."""
+    ``best_fit_decreasing`` and close all its rows at once. The open group is the window
+    (maybe empty)."""
 
     def __init__(self, seq_len: int, buffer_size: int, max_items: int | None = None) -> None:
-        super().__init__(seq_len, max_items)
-        self.buffer_size = _check_buffer(buffer_size)
+        super().__init__(seq_len, max_items, _check_buffer(buffer_size))
+        self.buffer_size = buffer_size
         self._items: list[int] = []
         self._lengths: list[int] = []
 
-    def add(self, item: int, length: int) -> list[Row]:
-        self._check_length(length)
+    def _place(self, item: int, length: int) -> list[Row]:
         self._items.append(item)
         self._lengths.append(length)
-        return self.flush() if len(self._items) == self.buffer_size else []
+        self._tokens += length
+        return self._flush() if len(self._items) == self.buffer_size else []
 
-    def flush(self) -> list[Row]:
+    def _flush(self) -> list[Row]:
         items = self._items
         rows = best_fit_decreasing(np.array(self._lengths, dtype=np.int64), self.seq_len, self.max_items)
-        self._items, self._lengths = [], []
+        self._items, self._lengths, self._tokens = [], [], 0
         return [[items[i] for i in row] for row in rows]
 
-    def groups(self) -> list[Row]:
-        return [self._items] if self._items else []
+    def _piece_groups(self) -> list[Row]:
+        return [self._items]
 
-    def restore(self, groups: Sequence[Group]) -> None:
+    def _ends_with_whole(self, groups: Sequence[Group]) -> bool:
+        return len(groups) == 2
+
+    def _restore(self, groups: Sequence[Group]) -> None:
         if len(groups) > 1:
             raise ValueError(f"bfd keeps one window of pieces, the state has {len(groups)}")
         self._items, self._lengths = [], []
         for group in groups:
-            if not 0 < len(group) < self.buffer_size:
-                raise ValueError(f"a window holds {len(group)} pieces, expected 1 to {self.buffer_size - 1}")
+            if len(group) >= self.buffer_size:
+                raise ValueError(f"a window holds {len(group)} pieces, at most {self.buffer_size - 1} wait")
             for item, length in group:
                 self._check_length(length)
                 self._items.append(item)
                 self._lengths.append(length)
+        self._tokens = sum(self._lengths)
 
     @property
     def pending(self) -> int:
         return len(self._items)
+
+
+def _threshold(*values: int) -> int:
+    """A pseudo-random int in ``[0, 2**32)`` from ``values`` (splitmix64 steps): the same
+    values always draw the same, so a restored packer decides as the original did."""
+    mixed = 0x9E3779B97F4A7C15
+    for value in values:
+        mixed = ((mixed ^ value) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+        mixed = ((mixed ^ mixed >> 31) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return mixed >> 32
+
+
+def _interleave(rows: list[Row], whole: list[tuple[int, int]]) -> list[Row]:
+    """``rows`` with the whole-row items ``(id, rows)`` spread evenly among them, each where its
+    middle row falls, so that no stretch of the output holds only whole rows."""
+    if not whole:
+        return rows
+    total = sum(count for _, count in whole)
+    merged: list[Row] = []
+    at, done = 0, 0
+    for item, count in whole:
+        # the item's middle lies at (done + count / 2) / total; row ``at``'s at (at + 1 / 2) / len(rows)
+        while at < len(rows) and (2 * at + 1) * total <= (2 * done + count) * len(rows):
+            merged.append(rows[at])
+            at += 1
+        merged.append([item])
+        done += count
+    merged.extend(rows[at:])
+    return merged
 
 
 def _check_buffer(buffer_size: int) -> int:

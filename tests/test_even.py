@@ -234,3 +234,23 @@ def test_bad_states_are_state_errors() -> None:
     with pytest.raises(rs.StateError, match="times"):
         Even(rs.from_list(list(range(5))), times=3).set_state(good)
     assert pipe.get_state() == good
+
+
+def test_epochs_counted_ahead_beyond_the_items_owed_are_a_state_error() -> None:
+    """Each upstream epoch counted ahead of the one being read would cost a next_epoch() at the
+    next agreement, so a damaged count (more of them than items owed) is refused, not looped over."""
+    build = lambda: Even(rs.from_list(list(range(7))).shuffle(1))  # noqa: E731
+    with elsewhere(4):
+        pipe = build()
+        take(pipe, 15)
+        good = json.loads(json.dumps(pipe.get_state()))
+    assert good["carry"] > 0 and good["counted_epochs"] > good["started_epochs"]
+    owed = good["carry"] + good["quota"] - good["yielded"]
+    fresh = build()
+    fresh.set_state({**good, "counted_epochs": good["started_epochs"] + owed})
+    for value in (good["started_epochs"] + owed + 1, 10**9, 2**63 - 1):
+        with pytest.raises(rs.StateError, match="counted_epochs"):
+            fresh.set_state({**good, "counted_epochs": value})
+    for key in ("carry", "quota"):
+        with pytest.raises(rs.StateError, match=key):
+            fresh.set_state({**good, key: 2**63})

@@ -18,7 +18,7 @@ import sys
 from typing import Any
 
 from resumable.core.node import Node
-from resumable.core.state import require, require_count
+from resumable.core.state import INT64_MAX, is_count, require, require_count
 from resumable.errors import ConfigError, SourceError, StateError
 from resumable.ops.repeat import Repeat
 from resumable.order.topology import distributed_rank
@@ -209,15 +209,25 @@ class Even(Node[Any]):
 
     def _restore(self, state: dict[str, Any], path: str) -> None:
         quota = require(state, QUOTA, (int, type(None)), path)
-        if isinstance(quota, bool) or (quota is not None and quota < 0):
-            raise StateError(f"{path}: state entry {QUOTA!r} is {quota!r}, expected an int >= 0 or None")
+        if quota is not None and not is_count(quota):  # counts go through an int64 all_reduce
+            raise StateError(f"{path}: state entry {QUOTA!r} is {quota!r}, expected an int in [0, {INT64_MAX}] or None")
         yielded = require_count(state, YIELDED, path, upper=quota or 0)
+        carry = require_count(state, CARRY, path, upper=INT64_MAX)
         started, counted = require_count(state, STARTED, path), require_count(state, COUNTED, path)
         if counted + 1 < started:
             raise StateError(f"{path}: state has {STARTED}={started} but {COUNTED}={counted}")
+        # Upstream epochs counted ahead of the one being read hold items still owed (the carry and
+        # the rest of the quota); more of them is a damaged state, and each would be a next_epoch().
+        owed = carry + (quota or 0) - yielded
+        if counted - started > owed:
+            raise StateError(
+                f"{path}: state has {COUNTED}={counted} upstream epochs counted, {counted - started} ahead of "
+                f"{STARTED}={started}, but only {owed} items owed ({CARRY}={carry}, {QUOTA}={quota}, "
+                f"{YIELDED}={yielded})"
+            )
         self.epoch = require_count(state, EPOCH, path)
         self._quota, self._yielded = quota, yielded
-        self._carry = require_count(state, CARRY, path)
+        self._carry = carry
         self._counted, self._started = counted, started
 
     def _rescale(self, olds: list[dict[str, Any]], path: str, consumer: int, num_consumers: int) -> dict[str, Any]:

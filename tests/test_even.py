@@ -199,10 +199,50 @@ def test_restored_state_needs_no_agreement() -> None:
     assert resumed.quota == 7
 
 
-def test_unknown_length_is_a_config_error_naming_the_node() -> None:
-    pipe = Even(rs.from_list(list(range(5))).filter(lambda x: x > 1))
-    with pytest.raises(rs.ConfigError, match="Even: needs the number of items.*Filter"):
-        next(pipe)
+RECORDS = [{"id": i, "input_ids": list(range(i % 5 + 1))} for i in range(8)]
+
+
+def both(*components: rs.Node, on_end: str = "stop") -> rs.Node:
+    """A mix of two components, one item of each in turn."""
+    return rs.mix(dict(zip("ab", components)), weights={"a": 1, "b": 1}, on_end=on_end)
+
+
+@pytest.mark.parametrize(
+    "build, culprit",
+    [
+        (lambda: rs.from_list(RECORDS).filter(bool), "Filter"),
+        (lambda: rs.from_list(RECORDS).shuffle(0).map(len, num_workers=2).filter(bool).batch(2), "Filter"),
+        (lambda: rs.from_list(RECORDS).pack(4, buffer_size=2), "Pack"),
+        (lambda: both(rs.from_list(RECORDS), rs.from_list(RECORDS)), "Mix"),
+        (lambda: both(rs.from_list(RECORDS).filter(bool), rs.from_list(RECORDS), on_end="drop"), "Filter"),
+    ],
+)
+def test_unknown_length_is_refused_at_construction_naming_the_node(build: Callable[[], rs.Node], culprit: str) -> None:
+    """A chain whose epochs' lengths cannot be known is refused when the pipeline is built, not
+    at its first item (the composition table has no third verdict)."""
+    with pytest.raises(rs.ConfigError, match=f"Even: needs the number of items.*{culprit}"):
+        build().even()
+
+
+def test_known_lengths_are_accepted_without_reading_a_record() -> None:
+    """Whole-epoch plans, maps, read-ahead, batches and mixes that drop are accepted, and
+    telling so reads no record; each even-epoch is then the upstream's (a single rank)."""
+    reads: list[int] = []
+
+    def seen(record: dict[str, Any]) -> dict[str, Any]:
+        reads.append(record["id"])
+        return record
+
+    def source() -> rs.Node:
+        return rs.from_list(RECORDS).shuffle(0).map(seen)
+
+    builds = [
+        lambda: source().pack(4, strategy="bfd").batch(2),
+        lambda: both(source().prefetch(2), rs.from_list(RECORDS), on_end="drop").batch(3),
+    ]
+    pipes = [build().even() for build in builds]
+    assert reads == []
+    assert [len(list(pipe)) for pipe in pipes] == [len(list(build())) for build in builds]
 
 
 def test_refused_options_and_chains() -> None:

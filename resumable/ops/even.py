@@ -17,11 +17,17 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from resumable.core.indexed import IndexedNode
 from resumable.core.node import Node
 from resumable.core.state import INT64_MAX, is_count, require, require_count
 from resumable.errors import ConfigError, SourceError, StateError
+from resumable.ops.batch import Batch
+from resumable.ops.map import Map
+from resumable.ops.mix import Mix
+from resumable.ops.read_ahead import ReadAhead
 from resumable.ops.repeat import Repeat
 from resumable.order.topology import distributed_rank
+from resumable.pack.node import Pack
 
 TIMES = "times"
 EPOCH = "epoch"
@@ -46,6 +52,25 @@ def agree_min(offer: int, group: Any = None) -> int:
     tensor = torch.tensor([offer], dtype=torch.int64, device=collective_device(group))
     dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=group)
     return int(tensor.item())
+
+
+def unknown_length(upstream: Node[Any]) -> TypeError | None:
+    """The TypeError that ``len(upstream)`` raises when no epoch's length can be known, told
+    from the pipeline's structure without reading data; None when every epoch's is known.
+
+    Known lengths come from indexed nodes, from nodes that take their upstream's (map,
+    read-ahead, batch), from whole-epoch plans (``Pack`` without ``buffer_size``) and from a
+    mix that drops exhausted components; any other node's length hook raises at once."""
+    for node in upstream._subtree():
+        if isinstance(node, (IndexedNode, Map, ReadAhead, Batch)):
+            continue
+        if (isinstance(node, Pack) and node.buffer_size is None) or (isinstance(node, Mix) and node.on_end == "drop"):
+            continue
+        try:
+            node._known_length()
+        except TypeError as error:
+            return error
+    return None
 
 
 def collective_device(group: Any = None) -> Any:
@@ -85,6 +110,13 @@ class Even(Node[Any]):
             raise ConfigError(
                 f"{self.kind}: its upstream {upstream!r} repeats already (a Repeat or an Even); drop it: "
                 ".even(times) runs the upstream's epochs itself and goes last"
+            )
+        unknown = unknown_length(upstream)
+        if unknown is not None:
+            raise ConfigError(
+                f"{self.kind}: needs the number of items of each upstream epoch, but len() is unknown ({unknown}); "
+                "balance an upstream of known length (indexed sources and filters, shuffle, shard, "
+                "strategy='bfd' packing, batch over those)"
             )
         self.times = times
         self.group = group
@@ -151,27 +183,17 @@ class Even(Node[Any]):
         read (surplus still to yield), the upstream visits it and comes back through its state."""
         upstream = self.upstream
         if self._counted < self._started:  # the one being read: at the start, after a rescale
-            return self._length()
+            return len(upstream)
         if self._carry == 0:  # every counted item was yielded: the epoch being read is done
             upstream.next_epoch()
             self._started += 1
-            return self._length()
+            return len(upstream)
         saved = upstream.get_state()
         for _ in range(self._counted - self._started + 1):
             upstream.next_epoch()
-        length = self._length()
+        length = len(upstream)
         upstream.set_state(saved)
         return length
-
-    def _length(self) -> int:
-        try:
-            return len(self.upstream)
-        except TypeError as error:
-            raise ConfigError(
-                f"{self.kind}: needs the number of items of each upstream epoch, but len() is unknown ({error}); "
-                "balance an upstream of known length (indexed sources and filters, shuffle, shard, "
-                "strategy='bfd' packing, batch over those)"
-            ) from error
 
     def _refuse_dataloader_worker(self) -> None:
         torch = sys.modules.get("torch")

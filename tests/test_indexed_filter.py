@@ -116,6 +116,21 @@ def test_len_and_items_equal_a_streaming_filter(kind: str) -> None:
     assert node[3] == streamed[3] and node.record_at(0, len(node) - 1) == streamed[-1]
 
 
+@pytest.mark.parametrize("on_disk", [False, True], ids=["memory", "directory"])
+def test_a_cache_after_the_filter_holds_the_kept_records(tmp_path: Path, on_disk: bool) -> None:
+    """The cache's positions are the filter's, not the source's: it computes each kept record
+    where the filter puts it (it once placed them by source index and ran past its block)."""
+    directory = str(tmp_path) if on_disk else None
+
+    def build(rank: int = 0, world_size: int = 1) -> rs.Node[Any]:
+        cached = rs.nodes.Cache(filtered("list"), directory, block_size=16)
+        return cached.shuffle(5).shard(rank, world_size).map(ids)
+
+    assert [r["id"] for r in filtered("list").cache(directory=directory)] == KEPT_IDS
+    assert sorted(build()) == KEPT_IDS
+    check_resume(lambda: build(1, 2), SHARD // 2, 3 * SHARD, SHARD + 2)
+
+
 def test_scanned_once_per_node_lazily() -> None:
     counting = Counting()
     node = rs.from_list(RECORDS).filter(counting, index=True, progress=False)

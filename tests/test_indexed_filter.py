@@ -217,19 +217,51 @@ def test_sidecar_is_reused_and_rebuilt_when_the_key_or_files_change(tmp_path: Pa
     assert rebuilt.kept.tolist() == KEPT_IDS and touched.calls == N and rebuilt.sidecar != built.sidecar
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "description"])
+def keep_other(record: dict[str, Any]) -> bool:
+    """Another predicate that keeps as many records as ``keep``, not the same ones."""
+    return record["id"] >= N - len(KEPT_IDS)  # type: ignore[no-any-return]  # records are dicts of ints
+
+
+def rewrite(sidecar: str, kept: np.ndarray) -> None:
+    """Replace the sidecar's positions with ``kept``, its description updated to match (count,
+    dtype, digest): damage that only the positions themselves give away."""
+    np.save(sidecar, kept)
+    description = Path(sidecar[: -len(".npy")] + ".json")
+    saved = json.loads(description.read_text())
+    saved.update(kept=len(kept), dtype=kept.dtype.str, kept_digest=indexed_filter._digest(kept))
+    description.write_text(json.dumps(saved))
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["flip", "truncate", "empty", "description", "other_index", "dtype", "descending", "beyond_the_upstream"],
+)
 def test_a_damaged_sidecar_is_rebuilt(tmp_path: Path, damage: str) -> None:
     path = tmp_path / "data.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
     built = sidecar_filter(path, tmp_path, keep)
     sidecar = built.sidecar
     assert len(built) == len(KEPT_IDS) and sidecar is not None and os.path.exists(sidecar)
+    kept = np.array(built.kept)
     if damage == "flip":
         with open(sidecar, "r+b") as handle:
             handle.seek(-8, os.SEEK_END)
             handle.write(b"\xff\xff\xff\xff")
     elif damage == "truncate":
         os.truncate(sidecar, os.path.getsize(sidecar) - 12)
+    elif damage == "empty":
+        os.truncate(sidecar, 0)
+    elif damage == "other_index":  # another index's files (same count) renamed over these
+        other = sidecar_filter(path, tmp_path, keep_other)
+        assert len(other) == len(KEPT_IDS) and other.sidecar is not None and other.sidecar != sidecar
+        for suffix in (".npy", ".json"):
+            os.replace(other.sidecar[: -len(".npy")] + suffix, sidecar[: -len(".npy")] + suffix)
+    elif damage == "dtype":
+        rewrite(sidecar, kept.astype(np.int64))
+    elif damage == "descending":
+        rewrite(sidecar, kept[::-1].copy())
+    elif damage == "beyond_the_upstream":
+        rewrite(sidecar, np.append(kept[:-1], np.uint32(N)))
     else:
         Path(sidecar[: -len(".npy")] + ".json").write_text("[1, 2")
     with pytest.warns(SidecarWarning, match="damaged or stale"):
@@ -245,6 +277,15 @@ def test_unwritable_cache_dir_keeps_the_index_in_memory(tmp_path: Path) -> None:
     node = rs.from_list(RECORDS).filter(keep, index=True, cache_dir=str(blocker / "idx"), progress=False)
     with pytest.warns(SidecarWarning, match="stays in memory"):
         assert len(node) == len(KEPT_IDS)
+
+
+def test_a_directory_in_place_of_the_sidecar_keeps_the_index_in_memory(tmp_path: Path) -> None:
+    node = rs.from_list(RECORDS).filter(keep, index=True, cache_dir=str(tmp_path), progress=False)
+    assert node.sidecar is not None
+    os.mkdir(node.sidecar)
+    Path(node.sidecar[: -len(".npy")] + ".json").write_text("{}")
+    with pytest.warns(SidecarWarning, match="stays in memory"):
+        assert node.kept.tolist() == KEPT_IDS
 
 
 def test_pickled_node_maps_the_sidecar_again(tmp_path: Path) -> None:

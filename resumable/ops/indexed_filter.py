@@ -54,6 +54,9 @@ KEPT_DIGEST = "kept_digest"
 FORMAT = 1
 """Version of the sidecar and its description; part of the sidecar's name."""
 KEY_CHARS = 32
+KEY = "key"
+CHECK_BLOCK = 1 << 20
+"""Kept positions checked for order per step when a sidecar is loaded (bounded memory)."""
 SIDECAR_PREFIX = "kept-"
 TASK_RECORDS = 1 << 16
 """Upstream positions per task of a parallel scan: contiguous ranges, small enough for a
@@ -140,6 +143,17 @@ def _kept_in(job: _Job, start: int, stop: int, bar: tqdm[Any] | None = None) -> 
         if bar is not None:
             bar.update(count)
     return np.concatenate(parts)
+
+
+def _check_positions(kept: np.ndarray, records: int) -> None:
+    """Raise ValueError unless ``kept`` rises strictly within ``[0, records)``: what a scan
+    writes. Checked a block at a time, so a memory-mapped index stays out of memory."""
+    if len(kept) and (int(kept[0]) < 0 or int(kept[-1]) >= records):
+        raise ValueError(f"its positions leave [0, {records})")
+    for start in range(0, max(len(kept) - 1, 0), CHECK_BLOCK):
+        block = np.asarray(kept[start : start + CHECK_BLOCK + 1])
+        if np.any(block[1:] <= block[:-1]):
+            raise ValueError("its positions do not rise")
 
 
 def _shown(part: np.ndarray, records: int, bar: tqdm[Any]) -> np.ndarray:
@@ -256,10 +270,14 @@ class IndexedFilter(IndexedNode[T]):
         """The path of the index's ``.npy`` sidecar, or None without ``cache_dir``."""
         if self.cache_dir is None:
             return None
+        return os.path.join(self.cache_dir, f"{SIDECAR_PREFIX}{self._key()}.npy")
+
+    def _key(self) -> str:
+        """What the index is (upstream, predicate, ``index_key``) as a hash: the sidecar's name,
+        also kept in its description so a sidecar renamed from another index is not taken."""
         upstream_key, _ = fingerprint(self.upstream)
         text = json.dumps([FORMAT, upstream_key, _function_fingerprint(self.predicate), self.index_key])
-        key = hashlib.sha256(text.encode()).hexdigest()[:KEY_CHARS]
-        return os.path.join(self.cache_dir, f"{SIDECAR_PREFIX}{key}.npy")
+        return hashlib.sha256(text.encode()).hexdigest()[:KEY_CHARS]
 
     def _build(self) -> np.ndarray:
         sidecar = self.sidecar
@@ -313,6 +331,7 @@ class IndexedFilter(IndexedNode[T]):
         """What the ``.json`` beside a sidecar holds: what the index is, and its count and digest."""
         return {
             "format": FORMAT,
+            KEY: self._key(),
             INDEX_KEY: self.index_key,
             "records": len(self.upstream),
             KEPT: len(kept),
@@ -341,13 +360,21 @@ class IndexedFilter(IndexedNode[T]):
             kept = np.load(sidecar, mmap_mode="r", allow_pickle=False)
             if not isinstance(saved, dict) or kept.ndim != 1 or kept.dtype != dtype:
                 raise ValueError(f"not a {dtype} vector with its description")
-            expected = {"format": FORMAT, INDEX_KEY: self.index_key, "records": len(self.upstream), KEPT: len(kept)}
+            records = len(self.upstream)
+            expected = {
+                "format": FORMAT,
+                KEY: self._key(),
+                INDEX_KEY: self.index_key,
+                "records": records,
+                KEPT: len(kept),
+            }
             wrong = {key: saved.get(key) for key, value in expected.items() if saved.get(key) != value}
             if wrong:
                 raise ValueError(f"it describes another index: {wrong}")
             if saved.get(KEPT_DIGEST) != _digest(kept):
                 raise ValueError("its digest does not match its contents")
-        except (OSError, ValueError, RecursionError) as error:
+            _check_positions(kept, records)
+        except (OSError, ValueError, EOFError, RecursionError) as error:  # np.load: EOFError on an empty file
             warnings.warn(
                 f"{self.kind}: index sidecar {sidecar!r} is damaged or stale ({error}); rebuilding it",
                 SidecarWarning,

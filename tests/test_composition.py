@@ -7,17 +7,19 @@ coming between the two, so that the pipeline can be rescaled):
 
 * exact resume: ``k`` items, ``get_state()``, a JSON round trip, ``set_state()`` on a freshly
   built pipeline, and the continuation equals the uninterrupted run, at the middle of the
-  epoch, at its last item and after its end (into the next epoch);
+  epoch, at its last item and after its end (into the next epoch; after ``.even()``, which runs
+  its upstream's epochs itself, the epoch is an even-epoch, ended by its StopIteration, and the
+  next one continues the upstream's stream);
 * exactly-once rescale: consumers stopped at different points mid-epoch, their states given to
   ``resumable.elastic.restore`` on another number of consumers (2 -> 3 and 3 -> 1); what the
   old consumers delivered before saving plus what the new ones deliver to the end of the epoch
   is one epoch: the same multiset of documents (of tokens, after a packer).
 
 A pipeline with no partitioner (``.shard()`` or a file-sharded ``rs.jsonl_stream``) cannot be
-rescaled. Where no shard can go without coming between the pair (a source or a cache followed
-by a node that is not indexed: nothing goes before a source, a shard before a cache is refused,
-and after the pair is too late), the rescale check is that ``restore`` refuses with a
-``ConfigError`` naming the shard.
+rescaled. Where no shard can go without coming between the pair (a source, a cache or an
+indexed filter followed by a node that is not indexed: nothing goes before a source, a shard
+before a cache or an indexed filter is refused, and after the pair is too late), the rescale
+check is that ``restore`` refuses with a ``ConfigError`` naming the shard.
 
 There is no third verdict: a pair that neither works nor is refused at construction is a bug.
 """
@@ -46,6 +48,7 @@ UPSTREAM = (
     "map",  # serial .map(fn)
     "pmap",  # .map(fn, num_workers=2)
     "filter",
+    "ifilter",  # .filter(pred, index=True)
     "batch",
     "prefetch",
     "cache",
@@ -56,6 +59,7 @@ UPSTREAM = (
     "pack",  # a streaming strategy with a buffer: .pack(seq_len, buffer_size=4) (best_fit)
     "pack_bfd",  # whole-epoch plan: .pack(seq_len, strategy="bfd") without buffer_size
     "mix",  # rs.mix({...}, weights): as a downstream node, of its component
+    "even",  # .even()
 )
 DOWNSTREAM = UPSTREAM[2:]  # sources have no upstream
 
@@ -90,11 +94,16 @@ UNTRACEABLE = "cannot trace its items back to indexed records"
 STREAM_INDEXED = "read plain JSONL files with rs.jsonl"  # shuffle/shard/cache after a stream
 SHARD_ONCE = "keep one .shard()"
 REPEAT_ONCE = "use a single .repeat(n * m)"
+INDEX_ORDER = "place .filter(index=True) before shuffle and shard"
+EVEN_LENGTH = "balance an upstream of known length"
+EVEN_LAST = "runs the upstream's epochs itself and goes last"  # .even() after a repeat or an even
+EVEN_TIMES = "use .even(times=n) instead of .even().repeat(n)"
 
 ITERATOR_ROW = {  # after a node that is not indexed
     "map": WORKS,
     "pmap": WORKS,
     "filter": WORKS,
+    "ifilter": refused(BEFORE_FILTER),
     "batch": WORKS,
     "prefetch": WORKS,
     "cache": refused(CACHE_INDEXED),
@@ -105,28 +114,35 @@ ITERATOR_ROW = {  # after a node that is not indexed
     "pack": WORKS,
     "pack_bfd": refused(BFD_WINDOWS),
     "mix": WORKS,
+    "even": WORKS,
 }
 INDEXED_ROW = dict.fromkeys(DOWNSTREAM, WORKS)  # after an indexed node
+
+ORDERED_ROW = {**INDEXED_ROW, "cache": refused(CACHE_ORDER), "ifilter": refused(INDEX_ORDER)}  # after an order
+UNKNOWN_LENGTH_ROW = {**ITERATOR_ROW, "even": refused(EVEN_LENGTH)}  # after a node of unknown len()
+UNTRACEABLE_ROW = {**ITERATOR_ROW, **dict.fromkeys(("pack", "pack_bfd"), refused(UNTRACEABLE))}
 
 ROWS: dict[str, dict[str, Cell]] = {
     "source": INDEXED_ROW,
     "stream": {
-        **ITERATOR_ROW,
+        **UNKNOWN_LENGTH_ROW,
         **dict.fromkeys(("cache", "shuffle", "block_shuffle", "shard"), refused(STREAM_INDEXED)),
     },
     "map": INDEXED_ROW,
     "pmap": ITERATOR_ROW,
-    "filter": ITERATOR_ROW,
-    "batch": {**ITERATOR_ROW, **dict.fromkeys(("pack", "pack_bfd"), refused(UNTRACEABLE))},
+    "filter": UNKNOWN_LENGTH_ROW,
+    "ifilter": INDEXED_ROW,
+    "batch": UNTRACEABLE_ROW,
     "prefetch": ITERATOR_ROW,
     "cache": INDEXED_ROW,
-    "shuffle": {**INDEXED_ROW, "cache": refused(CACHE_ORDER)},
-    "block_shuffle": {**INDEXED_ROW, "cache": refused(CACHE_ORDER)},
-    "shard": {**INDEXED_ROW, "cache": refused(CACHE_ORDER), "shard": refused(SHARD_ONCE)},
-    "repeat": {**ITERATOR_ROW, "repeat": refused(REPEAT_ONCE)},
-    "pack": {**ITERATOR_ROW, **dict.fromkeys(("pack", "pack_bfd"), refused(UNTRACEABLE))},
-    "pack_bfd": {**ITERATOR_ROW, **dict.fromkeys(("pack", "pack_bfd"), refused(UNTRACEABLE))},
+    "shuffle": ORDERED_ROW,
+    "block_shuffle": ORDERED_ROW,
+    "shard": {**ORDERED_ROW, "shard": refused(SHARD_ONCE)},
+    "repeat": {**ITERATOR_ROW, "repeat": refused(REPEAT_ONCE), "even": refused(EVEN_LAST)},
+    "pack": {**UNTRACEABLE_ROW, "even": refused(EVEN_LENGTH)},
+    "pack_bfd": UNTRACEABLE_ROW,
     "mix": ITERATOR_ROW,
+    "even": {**UNTRACEABLE_ROW, "repeat": refused(EVEN_TIMES), "even": refused(EVEN_LAST)},
 }
 TABLE: dict[tuple[str, str], Cell] = {(up, down): cell for up, row in ROWS.items() for down, cell in row.items()}
 
@@ -186,9 +202,9 @@ def canonical(item: Any) -> Any:
 
 # -- building a pair's pipeline ---------------------------------------------------------------
 
-INDEXED_OUT = {"source", "map", "cache", "shuffle", "block_shuffle", "shard"}
+INDEXED_OUT = {"source", "map", "ifilter", "cache", "shuffle", "block_shuffle", "shard"}
 """Upstream kinds whose node is indexed (map: a serial map over an indexed chain)."""
-KEEPS_INDEX = {"map", "cache", "shuffle", "block_shuffle"}
+KEEPS_INDEX = {"map", "ifilter", "cache", "shuffle", "block_shuffle"}
 """Downstream kinds that keep random access over an indexed upstream."""
 SHARDABLE_BELOW = {
     "map",
@@ -201,6 +217,7 @@ SHARDABLE_BELOW = {
     "repeat",
     "pack",
     "pack_bfd",
+    "even",
 }
 """Upstream kinds that may read a sharded chain."""
 
@@ -228,6 +245,8 @@ def apply(name: str, node: rs.Node, consumer: int, consumers: int) -> rs.Node:
         return node.map(touch, num_workers=2)
     if name == "filter":
         return node.filter(keep)
+    if name == "ifilter":
+        return node.filter(keep, index=True, progress=False)
     if name == "batch":
         return node.batch(3)
     if name == "prefetch":
@@ -249,6 +268,11 @@ def apply(name: str, node: rs.Node, consumer: int, consumers: int) -> rs.Node:
     if name == "mix":
         component = rs.from_list(OTHERS_Y).shard(consumer, consumers)
         return rs.mix({"a": node, "b": component}, weights={"a": 2, "b": 1}, on_end="drop")
+    if name == "even":
+        # Ranks agree through torch.distributed only; in this one process no group is
+        # initialised, so each consumer's epoch is its own offer (carry + len of its upstream's
+        # epoch), which is what the resume and rescale checks need: both hold per consumer.
+        return node.even()
     raise ValueError(name)
 
 

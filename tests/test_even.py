@@ -254,6 +254,8 @@ def test_refused_options_and_chains() -> None:
         Even(source.repeat(2).batch(2))
     with pytest.raises(rs.ConfigError, match="repeats already"):
         Even(Even(source))
+    with pytest.raises(rs.ConfigError, match=r"use \.even\(times=n\) instead of \.even\(\)\.repeat\(n\)"):
+        Even(source).batch(2).repeat(2)  # a rescale could not continue ranks in different epochs
 
 
 def test_refused_in_a_dataloader_worker_of_a_multi_rank_job(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -57,3 +57,11 @@ def test_bad_input_is_a_config_error() -> None:
         pack_figures([])
     with pytest.raises(rs.ConfigError, match="shape"):
         pack_figures({"document_ids": np.zeros((2, 2, 2))})
+    with pytest.raises(rs.ConfigError, match="differ in shape"):
+        pack_figures([{"document_ids": np.ones(4)}, {"document_ids": np.ones(5)}])
+    with pytest.raises(rs.ConfigError, match="row 1 has no 'document_ids'"):
+        pack_figures([{"document_ids": np.ones(4)}, {"input_ids": np.ones(4)}])
+    with pytest.raises(rs.ConfigError, match="row 0 is a list"):
+        pack_figures([[1, 2]])  # type: ignore[list-item]  # what the test is about
+    with pytest.raises(rs.ConfigError, match="not an array"):
+        pack_figures({"document_ids": [[1, 2], [1]]})

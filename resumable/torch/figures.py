@@ -62,13 +62,15 @@ def pack_figures(batch: Batch | None = None, stats: PackStats | None = None, gro
 def _document_ids(batch: Batch) -> np.ndarray:
     """``document_ids`` of the batch as a 2-D array (rows x positions)."""
     if isinstance(batch, Mapping):
-        if DOCUMENT_IDS not in batch:
-            raise ConfigError(f"pack_figures: the batch has no {DOCUMENT_IDS!r} field (fields {sorted(batch)})")
-        ids = _numpy(batch[DOCUMENT_IDS])
+        ids = _numpy(_field(batch, "the batch"))
     else:
         if not batch:
             raise ConfigError("pack_figures: the batch has no rows")
-        ids = np.stack([_numpy(row[DOCUMENT_IDS]) for row in batch])
+        rows = [_numpy(_field(row, f"row {index}")) for index, row in enumerate(batch)]
+        if len({row.shape for row in rows}) > 1:
+            shapes = sorted({row.shape for row in rows})
+            raise ConfigError(f"pack_figures: the rows' {DOCUMENT_IDS!r} differ in shape: {shapes}")
+        ids = np.stack(rows)
     if ids.ndim not in (1, 2) or ids.size == 0:
         raise ConfigError(
             f"pack_figures: {DOCUMENT_IDS!r} has shape {ids.shape}, expected (rows, seq_len) or (seq_len,)"
@@ -76,11 +78,23 @@ def _document_ids(batch: Batch) -> np.ndarray:
     return ids.reshape(-1, ids.shape[-1])
 
 
+def _field(row: Any, name: str) -> Any:
+    """The ``document_ids`` of a batch or row (a mapping), else a ConfigError naming ``name``."""
+    if not isinstance(row, Mapping):
+        raise ConfigError(f"pack_figures: {name} is a {type(row).__name__}, expected a mapping of packed fields")
+    if DOCUMENT_IDS not in row:
+        raise ConfigError(f"pack_figures: {name} has no {DOCUMENT_IDS!r} field (fields {sorted(row)})")
+    return row[DOCUMENT_IDS]
+
+
 def _numpy(array: Any) -> np.ndarray:
     """A numpy view of an array or tensor (a GPU tensor is copied to the host)."""
     if isinstance(array, torch.Tensor):
         return array.detach().cpu().numpy()
-    return np.asarray(array)
+    try:
+        return np.asarray(array)
+    except ValueError as error:  # ragged nested lists
+        raise ConfigError(f"pack_figures: {DOCUMENT_IDS!r} is not an array: {error}") from error
 
 
 def _gather(mine: np.ndarray, group: Any) -> np.ndarray:

@@ -257,6 +257,17 @@ def test_a_bad_length_fn_result_is_a_source_error_naming_the_record(cost: Any) -
         list(pipe)
 
 
+@pytest.mark.parametrize("strategy", ["greedy", "bfd"])
+def test_a_failing_length_fn_is_a_source_error_naming_the_record(strategy: str) -> None:
+    def cost(record: dict[str, Any]) -> int:
+        length = len(record["input_ids"])
+        return length + 0 * (1 // (length - 4))  # fails on the record of 4 tokens
+
+    pipe = rs.from_list(records([3, 4])).pack(SEQ_LEN, strategy=strategy, length_fn=cost, overlong="drop")
+    with pytest.raises(rs.SourceError, match=r"length_fn failed on record \(epoch 0, record 1\): ZeroDivisionError"):
+        list(pipe)
+
+
 @pytest.mark.parametrize(
     ("options", "match"),
     [

@@ -118,7 +118,10 @@ class Documents:
         """Positions ``length_fn`` reserves beyond the record's ``length`` tokens (0 without it)."""
         if self.length_fn is None:
             return 0
-        cost = self.length_fn(record)
+        try:
+            cost = self.length_fn(record)
+        except Exception as error:  # noqa: BLE001 - the user's function, reported with the record
+            raise SourceError(f"{self.kind}: length_fn failed on record {key_text(key)}: {error!r}") from error
         if isinstance(cost, (int, np.integer)) and not isinstance(cost, bool) and cost >= length:
             return int(cost) - length
         raise SourceError(

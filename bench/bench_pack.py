@@ -19,6 +19,17 @@ bfd over the whole set >= 98.7% on UltraChat-like; best_fit >= 5 M tokens/s.
 ``online-bf`` is a reference, not a strategy: classic online best fit (each document into the
 fullest open row that fits, in arrival order; the fullest row is closed when open rows hold
 more than 1000 documents). It shows why ``best_fit`` plans its buffer instead.
+
+``--balance`` measures length balance over time instead: on a corpus where 60% of the documents
+are longer than ``seq_len`` (log-normal mu=7.18 sigma=1.0 at seq_len 1024, mean 2,160 tokens),
+the share of tokens from long documents in every window of consecutive rows (windows of the
+rows that ``2 * buffer_size`` documents make) against the epoch's share: the largest
+difference in points, the first window's share, and how many rows open the epoch before the
+first one holding a short document's tokens.
+
+``--payloads`` measures throughput with payload fields against without: UltraChat-like lengths at
+2048, each document with a per-token ``loss_mask`` (int8) as a token field and an image path as a
+document field; the best of three alternating runs of each.
 """
 
 from __future__ import annotations
@@ -142,13 +153,144 @@ def online_best_fit(sizes: np.ndarray, seq_len: int, buffer_size: int) -> float:
     return float(sum(pieces)) / (used_rows * seq_len)
 
 
+BALANCE_CORPUS = (7.18, 1.0)
+"""ln tokens of the balance corpus: 60% of its documents are longer than ``BALANCE_SEQ_LEN``."""
+BALANCE_SEQ_LEN = 1024
+BALANCE_BUFFER = 1000
+BALANCE_WINDOW = 2
+"""Window length, in buffers: the rows that ``BALANCE_WINDOW * buffer_size`` documents make."""
+BALANCE_STRATEGIES: list[tuple[str, int | None]] = [
+    ("greedy", None),
+    ("first_fit", BALANCE_BUFFER),
+    ("best_fit", BALANCE_BUFFER),
+    ("bfd", BALANCE_BUFFER),
+    ("bfd", None),
+]
+SHORT_TOKEN, LONG_TOKEN = 1, 2  # every token of a document says whether it is longer than seq_len
+
+
+def window_drift(long_tokens: np.ndarray, tokens: np.ndarray, window: int) -> float:
+    """Largest |long-token share of ``window`` consecutive rows - the epoch's share|, in points."""
+    cum_long = np.concatenate(([0], np.cumsum(long_tokens)))
+    cum_all = np.concatenate(([0], np.cumsum(tokens)))
+    window = min(window, len(tokens))
+    shares = (cum_long[window:] - cum_long[:-window]) / (cum_all[window:] - cum_all[:-window])
+    return float(np.abs(shares - cum_long[-1] / cum_all[-1]).max() * 100)
+
+
+def measure_balance(
+    sizes: np.ndarray, docs: list[dict[str, np.ndarray]], strategy: str, buffer_size: int | None
+) -> dict[str, Any]:
+    """One epoch: each row's long-document and non-padding tokens, then their drift over windows."""
+    pack = build(docs, BALANCE_SEQ_LEN, strategy, buffer_size)
+    long_tokens, tokens = [], []
+    for row in pack:
+        ids = row["input_ids"]
+        long_tokens.append(int(np.count_nonzero(ids == LONG_TOKEN)))
+        tokens.append(int(np.count_nonzero(ids)))
+    long_array, all_array = np.array(long_tokens), np.array(tokens)
+    window = round(BALANCE_WINDOW * BALANCE_BUFFER * len(tokens) / len(sizes))
+    return {
+        "rows": len(tokens),
+        "efficiency": pack.stats.efficiency,
+        "epoch": long_array.sum() / all_array.sum(),
+        "first": long_array[:window].sum() / all_array[:window].sum(),
+        "drift": window_drift(long_array, all_array, window),
+        "long_run": int(np.argmin(long_array == all_array)),
+        "window": window,
+    }
+
+
+def balance(count: int, seed: int) -> None:
+    """Print the length-balance table (``--balance``)."""
+    mu, sigma = BALANCE_CORPUS
+    rng = np.random.default_rng(seed)
+    sizes = np.maximum(1, np.rint(np.exp(rng.normal(mu, sigma, count)))).astype(np.int64)
+    kinds = np.where(sizes > BALANCE_SEQ_LEN, LONG_TOKEN, SHORT_TOKEN).astype(np.uint8)
+    tokens = np.repeat(kinds, sizes)
+    bounds = np.concatenate(([0], np.cumsum(sizes)))
+    docs = [{"input_ids": tokens[start:stop]} for start, stop in zip(bounds[:-1], bounds[1:])]
+    print(
+        f"{count} documents, seed {seed}, ln tokens ~ N({mu}, {sigma}), seq_len {BALANCE_SEQ_LEN}: "
+        f"{np.mean(sizes > BALANCE_SEQ_LEN):.1%} of documents and "
+        f"{sizes[sizes > BALANCE_SEQ_LEN].sum() / sizes.sum():.1%} of tokens are longer than seq_len"
+    )
+    header = (
+        f"{'strategy':<10} {'buffer':>6} {'rows':>6} {'efficiency':>10} {'window':>6} {'epoch':>7} "
+        f"{'first':>7} {'max drift':>9} {'long run':>8}"
+    )
+    print(header)
+    print("-" * len(header))
+    for strategy, buffer_size in BALANCE_STRATEGIES:
+        result = measure_balance(sizes, docs, strategy, buffer_size)
+        buffer_text = "epoch" if strategy == "bfd" and buffer_size is None else str(buffer_size or "-")
+        print(
+            f"{strategy:<10} {buffer_text:>6} {result['rows']:>6} {result['efficiency']:>9.2%} "
+            f"{result['window']:>6} {result['epoch']:>7.2%} {result['first']:>7.2%} "
+            f"{result['drift']:>6.2f} pt {result['long_run']:>8}"
+        )
+    print(
+        "window: rows per window; epoch / first: long-document share of the epoch's tokens and of the "
+        "first window's; max drift: largest |window share - epoch share| over every window; long run: "
+        "rows before the first that holds a short document's tokens"
+    )
+
+
+PAYLOAD_STRATEGIES: list[tuple[str, int | None]] = [("greedy", None), ("best_fit", 1000), ("bfd", None)]
+PAYLOAD_RUNS = 3
+
+
+def payload_docs(docs: list[dict[str, np.ndarray]]) -> list[dict[str, Any]]:
+    """``docs`` with a loss mask per token and an image path per document."""
+    mask = np.ones(sum(len(doc["input_ids"]) for doc in docs), dtype=np.int8)
+    bounds = np.concatenate(([0], np.cumsum([len(doc["input_ids"]) for doc in docs])))
+    return [
+        {**doc, "loss_mask": mask[start:stop], "image": f"images/{index}.png"}
+        for index, (doc, start, stop) in enumerate(zip(docs, bounds[:-1], bounds[1:]))
+    ]
+
+
+def payload_throughput(count: int, seed: int) -> None:
+    """Print Mtok/s with one token field and one document field against without (``--payloads``)."""
+    seq_len = 2048
+    plain = documents(lengths("UltraChat", count, seed), seed)
+    loaded = payload_docs(plain)
+    options = {"token_fields": ["loss_mask"], "document_fields": ["image"]}
+    print(f"{count} UltraChat-like documents, seq_len {seq_len}, best of {PAYLOAD_RUNS} alternating runs, one core")
+    header = f"{'strategy':<10} {'buffer':>6} {'without Mtok/s':>14} {'with Mtok/s':>12} {'ratio':>6}"
+    print(header)
+    print("-" * len(header))
+    for strategy, buffer_size in PAYLOAD_STRATEGIES:
+        best = {"without": 0.0, "with": 0.0}
+        for _ in range(PAYLOAD_RUNS):
+            for name, docs, extra in (("without", plain, {}), ("with", loaded, options)):
+                pack = rs.from_list(docs).pack(seq_len, strategy=strategy, buffer_size=buffer_size, **extra)
+                began = time.perf_counter()
+                for _row in pack:
+                    pass
+                best[name] = max(best[name], pack.stats.tokens / (time.perf_counter() - began) / 1e6)
+        buffer_text = "epoch" if strategy == "bfd" and buffer_size is None else str(buffer_size or "-")
+        print(
+            f"{strategy:<10} {buffer_text:>6} {best['without']:>14.1f} {best['with']:>12.1f} "
+            f"{best['with'] / best['without']:>6.2f}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--docs", type=int, default=20_000, help="documents per corpus")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--balance", action="store_true", help="measure length balance over time instead")
+    parser.add_argument("--payloads", action="store_true", help="measure throughput with payload fields instead")
     args = parser.parse_args()
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # one core
+    if args.balance:
+        balance(args.docs, args.seed)
+        return
+    if args.payloads:
+        payload_throughput(args.docs, args.seed)
+        return
 
     header = (
         f"{'corpus':<10} {'seq_len':>7} {'strategy':<10} {'buffer':>6} {'rows':>6} {'efficiency':>10} "

@@ -75,7 +75,7 @@ def test_every_piece_placed_once_within_capacity(
     packer = FACTORIES[name](buffer_size, max_items)
     rows = run(packer, lengths)
     check_rows(rows, lengths, SEQ_LEN, max_items)
-    assert packer.pending == 0 and packer.groups() == []
+    assert packer.pending == 0 and not any(packer.groups())
 
 
 @pytest.mark.parametrize("name", sorted(FACTORIES))
@@ -267,7 +267,7 @@ def test_make_packer_and_bad_options() -> None:
         ("greedy", [[(0, 3)], [(1, 3)]]),
         ("greedy", [[(0, SEQ_LEN)]]),
         ("first_fit", [[(0, 9), (1, 9)]]),
-        ("first_fit", [[]]),
+        ("first_fit", [[], []]),
         ("first_fit", [[(i, 1)] for i in range(5)]),
         ("best_fit", [[(0, 3)]]),
         ("best_fit", [[] for _ in range(MAX_ROUNDS)] + [[(0, SEQ_LEN)]]),

@@ -353,10 +353,13 @@ class Cache(IndexedNode[T]):
     def _compute(self, start: int, stop: int) -> list[Any]:
         """Upstream records ``[start, stop)``: read raw, decode and map, as its cursor would;
         ``SKIPPED`` where the source skipped a malformed record. The upstream holds no shuffle
-        or shard, so its positions are its leaf indices."""
+        or shard, so its leaf indices rise with its positions (an indexed filter skips some)."""
+        leaves = self.upstream._leaf_indices(np.arange(start, stop, dtype=np.int64), 0)
+        scanned = list(self.upstream._scan(start, stop, 0, skip=self._skips))
+        found = np.fromiter((leaf for leaf, _ in scanned), dtype=np.int64, count=len(scanned))
         records: list[Any] = [SKIPPED] * (stop - start)
-        for leaf, record in self.upstream._scan(start, stop, 0, skip=self._skips):
-            records[leaf - start] = record
+        for offset, (_, record) in zip(np.searchsorted(leaves, found).tolist(), scanned):
+            records[offset] = record
         self.computed += len(records)
         return records
 

@@ -125,3 +125,10 @@ def _refuse_inner_repeat(upstream: Node[Any]) -> None:
             f"Repeat: its upstream {upstream!r} already repeats; use a single .repeat(n * m) "
             "(.repeat() to run endlessly), and with a mix, repeat the components or the mix, not both"
         )
+    from resumable.ops.even import Even  # even.py imports this module
+
+    if any(isinstance(node, Even) for node in upstream._subtree()):
+        raise ConfigError(
+            f"Repeat: its upstream {upstream!r} holds an Even, which runs the epochs itself; "
+            "use .even(times=n) instead of .even().repeat(n)"
+        )

@@ -98,8 +98,11 @@ class BufferedRows:
     def _add(self, key: RecordKey, start: int, full: int, end: int, document: Document) -> None:
         """Tokens ``[start, full)`` of a record make whole rows of their own, ``[full, end)``
         one piece for the strategy (placed by its cost)."""
-        if full > start:
-            self._span = piece(key, start, full, document)
+        if full > start:  # held by the strategy, which lets them leave in step with the pieces
+            item = self._next_id
+            self._next_id = item + 1
+            self._pieces[item] = piece(key, start, full, document)
+            self._ready.extend(self._packer.add_whole(item, (full - start) // self._seq_len))
         if end > full:
             item = self._next_id
             self._next_id = item + 1
@@ -147,6 +150,8 @@ class BufferedRows:
 
     def _emit(self, row: Row) -> list[Segment]:
         pieces = self._pieces
+        if pieces[row[0]].end - pieces[row[0]].start > self._seq_len:  # whole rows: the first of them
+            return self._emit_span(pieces.pop(row[0]))
         segments = [pieces.pop(item).segment() for item in row]
         count_row(self.counts, segments, self._seq_len)
         return segments
@@ -208,8 +213,8 @@ class BufferedRows:
 
         def load(entry: Any, where: str) -> int:
             loaded = fetcher.piece(entry, where)
-            if loaded.cost > seq_len:
-                raise StateError(f"{path}: {where} piece {entry} is longer than seq_len={seq_len}")
+            if loaded.cost > seq_len and loaded.cost % seq_len:
+                raise StateError(f"{path}: {where} piece {entry} is longer than seq_len={seq_len}, not whole rows")
             item = len(pieces)
             pieces[item] = loaded
             return item
@@ -219,7 +224,7 @@ class BufferedRows:
         for row in ready_rows:
             items = [load(entry, READY) for entry in row]
             used = sum(pieces[item].cost for item in items)
-            if not items or used > seq_len or len(items) > (pack.max_documents or seq_len):
+            if not items or (used > seq_len and len(items) > 1) or len(items) > (pack.max_documents or seq_len):
                 raise StateError(f"{path}: a ready row {row} does not fit a row of seq_len={seq_len}")
             ready.append(items)
         span = None
@@ -255,6 +260,7 @@ class BufferedRows:
             pieces.extend(require(old, READY, list, path))
             pieces.extend(require(old, OPEN, list, path))
         state = pack._header()
-        state.update({OPEN: [], OPEN_SIZES: [], READY: [], READY_SIZES: [], SPAN: [], EXHAUSTED: False})
+        sizes = [len(group) for group in pack._new_packer(1).groups()]  # an empty strategy's (format) groups
+        state.update({OPEN: [], OPEN_SIZES: sizes, READY: [], READY_SIZES: [], SPAN: [], EXHAUSTED: False})
         state.update({INHERITED: pieces[consumer::num_consumers], STATS: dict.fromkeys(COUNTERS, 0), ENDED: False})
         return state

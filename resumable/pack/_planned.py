@@ -22,12 +22,26 @@ from resumable.pack._entries import (
     STATS,
 )
 from resumable.pack._pieces import count_row, key_text
-from resumable.pack.epoch import NO_INHERITED_ROWS, InheritedRows, Plan, Stride, share
+from resumable.pack.epoch import (
+    FIRST_PIECE,
+    LONGEST_PIECE,
+    NO_INHERITED_ROWS,
+    ROW_ORDERS,
+    InheritedRows,
+    Plan,
+    Stride,
+    share,
+)
 from resumable.pack.rows import Document, Segment
 
 if TYPE_CHECKING:
     from resumable.pack._documents import Documents
     from resumable.pack.node import Pack
+
+ROW_ORDER = "row_order"
+"""State entry: the order of the plan's rows, one of ``ROW_ORDERS``. States saved before it
+existed lack it and hold row indices of ``FIRST_PIECE`` plans, so they are planned that way again
+until their epoch ends."""
 
 
 class PlannedRows:
@@ -44,10 +58,12 @@ class PlannedRows:
         inherited: InheritedRows = NO_INHERITED_ROWS,
         plan: Plan | None = None,
         emitted: int = 0,
+        row_order: str = LONGEST_PIECE,
     ) -> None:
         self._upstream = upstream
         self._documents = documents
         self._max_documents = max_documents
+        self.row_order = row_order
         self.counts = dict.fromkeys(COUNTERS, 0) if counts is None else counts
         self._plan = plan
         self._emitted = emitted
@@ -63,9 +79,12 @@ class PlannedRows:
         counts: dict[str, int] | None = None,
         plan: Plan | None = None,
         emitted: int = 0,
+        row_order: str = LONGEST_PIECE,
     ) -> PlannedRows:
         """``pack``'s rows of the upstream's epoch: none handed out yet unless ``emitted``."""
-        return cls(indexed_upstream(pack), pack._documents, pack.max_documents, counts, inherited, plan, emitted)
+        return cls(
+            indexed_upstream(pack), pack._documents, pack.max_documents, counts, inherited, plan, emitted, row_order
+        )
 
     @property
     def epoch(self) -> int:
@@ -98,7 +117,8 @@ class PlannedRows:
         """The consumer's own plan of the epoch, made (and its documents counted) when first asked for."""
         if self._plan is None:
             epoch = self.epoch
-            self._plan = make_plan(self._documents, self._max_documents, epoch, self._own_records(epoch))
+            records = self._own_records(epoch)
+            self._plan = make_plan(self._documents, self._max_documents, epoch, records, self.row_order)
             self.counts.update(self._plan.counts)
         return self._plan
 
@@ -126,7 +146,7 @@ class PlannedRows:
 
     def progress(self) -> dict[str, Any]:
         """Rows handed out, rows planned, and the inherited rows by reference."""
-        progress: dict[str, Any] = {EMITTED: self._emitted, STATS: dict(self.counts)}
+        progress: dict[str, Any] = {EMITTED: self._emitted, STATS: dict(self.counts), ROW_ORDER: self.row_order}
         if self._plan is not None:
             progress[PLANNED] = self._plan.rows
         if len(self.inherited):
@@ -141,19 +161,20 @@ class PlannedRows:
         fresh = cls.fresh(pack)
         epoch = fresh.epoch
         emitted = require_count(state, EMITTED, path)
+        row_order = saved_row_order(state, path)
         inherited = saved_inherited(pack, state, epoch, path)
         now = inherited.count(epoch)
         planned = require_count(state, PLANNED, path) if PLANNED in state else None
         plan = None
         if planned is not None or emitted > now:
             try:
-                plan = make_plan(pack._documents, pack.max_documents, epoch, fresh._own_records(epoch))
+                plan = make_plan(pack._documents, pack.max_documents, epoch, fresh._own_records(epoch), row_order)
             except (IndexError, ResumableError) as exc:
                 raise StateError(f"{path}: cannot plan epoch {epoch} again: {exc}") from exc
             check_plan_rows(plan.rows, planned, emitted - now, path)
             counts.update(plan.counts)
         check_inherited(pack, inherited, min(emitted, now), path)
-        return cls.fresh(pack, inherited, counts, plan, emitted)
+        return cls.fresh(pack, inherited, counts, plan, emitted, row_order)
 
     @staticmethod
     def rescaled(
@@ -162,8 +183,15 @@ class PlannedRows:
         """A fresh epoch state holding this consumer's share of the rows the old consumers had
         not handed out: per epoch, the rows left by old consumer 0, then 1, ..., cut into
         contiguous blocks of whole rows. An old consumer's plan is made again only when this
-        consumer's block holds rows of it."""
+        consumer's block holds rows of it, in its own row order; the new consumers plan in the
+        old consumers' row order too, so old states rescale as they did."""
         leftovers = [Leftover(pack, old, index, len(olds), path) for index, old in enumerate(olds)]
+        row_orders = {leftover.row_order for leftover in leftovers}
+        if len(row_orders) > 1:
+            raise StateError(
+                f"{path}: old consumers' plans have different {ROW_ORDER}s {sorted(row_orders)}; "
+                "they come from different checkpoints"
+            )
         first = min(require_adjacent_epochs([leftover.upstream for leftover in leftovers], EPOCH, path))
         if any(leftover.last_epoch > first + 1 for leftover in leftovers):
             raise StateError(
@@ -183,6 +211,8 @@ class PlannedRows:
                 offset += count
         state = pack._header()
         state.update({EMITTED: 0, STATS: dict.fromkeys(COUNTERS, 0), ENDED: False})
+        if row_orders:
+            state[ROW_ORDER] = row_orders.pop()
         if sizes:
             state.update({INHERITED: refs, INHERITED_SIZES: sizes})
         return state
@@ -206,8 +236,11 @@ def indexed_upstream(pack: Pack) -> IndexedNode[Any]:
     return cast("IndexedNode[Any]", pack.upstream)  # Pack refuses a whole-epoch plan over any other
 
 
-def make_plan(documents: Documents, max_documents: int | None, epoch: int, records: Iterator[tuple[int, Any]]) -> Plan:
-    """Learn the length (and cost) of every ``(leaf index, record)`` of the epoch and pack them."""
+def make_plan(
+    documents: Documents, max_documents: int | None, epoch: int, records: Iterator[tuple[int, Any]], row_order: str
+) -> Plan:
+    """Learn the length (and cost) of every ``(leaf index, record)`` of the epoch and pack them,
+    rows in ``row_order``."""
     counts = dict.fromkeys(DOCUMENT_COUNTERS, 0)
     kept: list[tuple[int, int, int, int]] = []  # (record index, full, end, extra) of documents with tokens
     for index, record in records:
@@ -215,7 +248,18 @@ def make_plan(documents: Documents, max_documents: int | None, epoch: int, recor
         full, end = documents.cut(document, counts)
         if end:
             kept.append((index, full, end, document.extra))
-    return Plan.pack(np.array(kept, dtype=np.int64).reshape(-1, 4), documents.seq_len, max_documents, counts)
+    kept_array = np.array(kept, dtype=np.int64).reshape(-1, 4)
+    return Plan.pack(kept_array, documents.seq_len, max_documents, counts, row_order)
+
+
+def saved_row_order(state: dict[str, Any], path: str) -> str:
+    """The row order a state's plan has: ``FIRST_PIECE`` if it was saved before the entry existed."""
+    row_order = state.get(ROW_ORDER, FIRST_PIECE)
+    if row_order not in ROW_ORDERS:
+        raise StateError(
+            f"{path}: state entry {ROW_ORDER!r} is {short_repr(row_order)}, expected one of {', '.join(ROW_ORDERS)}"
+        )
+    return cast("str", row_order)
 
 
 def saved_inherited(pack: Pack, state: dict[str, Any], epoch: int, path: str) -> InheritedRows:
@@ -279,6 +323,7 @@ class Leftover:
         self.stride = Stride.of(cursor, self.upstream, consumer, num_consumers, f"{path} > {cursor.kind}")
         self.epoch = self.stride.epoch
         self.emitted = require_count(old, EMITTED, path)
+        self.row_order = saved_row_order(old, path)
         self.inherited = saved_inherited(pack, old, self.epoch, path)
         self.now = self.inherited.count(self.epoch)
         self.taken = self.emitted > self.now
@@ -322,7 +367,7 @@ class Leftover:
             leaves = self.stride.leaves(path)
             try:
                 records = self._cursor._scan_leaves(leaves, skip=True)
-                plan = make_plan(pack._documents, pack.max_documents, self.epoch, records)
+                plan = make_plan(pack._documents, pack.max_documents, self.epoch, records, self.row_order)
             except (IndexError, ResumableError) as exc:
                 raise StateError(f"{path}: cannot plan epoch {self.epoch} of an old consumer again: {exc}") from exc
             check_plan_rows(plan.rows, self.planned, self.emitted - self.now, path)

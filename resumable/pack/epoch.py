@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -30,6 +31,16 @@ REF_FIELDS = 4
 """An inherited piece is ``[epoch, record, token_start, token_end]``: the upstream is indexed, so no
 mix component names come before the key."""
 
+LONGEST_PIECE = "longest_piece"
+"""Rows in the upstream's order of their longest piece (the earliest of equals), the one that
+opened the row in best-fit-decreasing: what fills a row is drawn from the whole epoch and does
+not move it, so every stretch of rows keeps the epoch's share of long and short documents."""
+FIRST_PIECE = "first_piece"
+"""Rows in the upstream's order of their first piece: the order of plans made before
+``LONGEST_PIECE``. Rows holding many small pieces have an early one, so the first rows of an
+epoch held too many short documents."""
+ROW_ORDERS = (LONGEST_PIECE, FIRST_PIECE)
+
 
 class Plan(NamedTuple):
     """A whole epoch packed ahead, in numpy arrays (about 40 bytes per piece).
@@ -46,11 +57,14 @@ class Plan(NamedTuple):
     counts: dict[str, int]
 
     @classmethod
-    def pack(cls, documents: np.ndarray, seq_len: int, max_pieces: int | None, counts: dict[str, int]) -> Plan:
+    def pack(
+        cls, documents: np.ndarray, seq_len: int, max_pieces: int | None, counts: dict[str, int], row_order: str
+    ) -> Plan:
         """Pack ``documents`` (rows of ``(record index, full, end, extra)`` in the upstream's
         order: tokens ``[0, full)`` make whole rows, ``[full, end)`` one piece, which takes
         ``extra`` reserved positions more; a document with any is one piece) by
-        best-fit-decreasing; rows keep the order of their first piece."""
+        best-fit-decreasing; rows come in ``row_order`` (``ROW_ORDERS``), pieces in a row in
+        the upstream's order."""
         # A document gives full // seq_len whole rows, then its tail if any: piece r starts at r * seq_len.
         pieces = documents[:, 1] // seq_len + (documents[:, 2] > documents[:, 1])
         first = np.repeat(np.cumsum(pieces) - pieces, pieces)
@@ -60,14 +74,23 @@ class Plan(NamedTuple):
 
         lengths = ends - starts + np.repeat(documents[:, 3], pieces)  # what each piece costs in its row
         packed = np.flatnonzero(lengths < seq_len)
-        rows = [[index] for index in np.flatnonzero(lengths == seq_len).tolist()]
-        for row in best_fit_decreasing(lengths[packed], seq_len, max_pieces):
-            rows.append(packed[row].tolist())
-        rows.sort(key=lambda row: row[0])  # the order of the (shuffled) upstream
-        order = np.fromiter((index for row in rows for index in row), dtype=np.int64, count=len(lengths))
-        bounds = np.zeros(len(rows) + 1, dtype=np.int64)
-        np.cumsum([len(row) for row in rows], out=bounds[1:])
-        return cls(indices, starts, ends, order, bounds, counts)
+        packed_rows = best_fit_decreasing(lengths[packed], seq_len, max_pieces)
+        order = np.concatenate(
+            [
+                np.flatnonzero(lengths == seq_len),  # whole rows, one piece each
+                packed[np.fromiter(chain.from_iterable(packed_rows), dtype=np.int64, count=len(packed))],
+            ]
+        )
+        sizes = np.concatenate(
+            [np.ones(len(order) - len(packed), dtype=np.int64), np.fromiter(map(len, packed_rows), dtype=np.int64)]
+        )
+        bounds = _bounds(sizes)
+        rank = np.argsort(_row_keys(order, bounds, lengths, row_order), kind="stable")
+        sizes = sizes[rank]
+        ordered = _bounds(sizes)
+        # piece j of the new order is piece j - ordered[row] + bounds[rank[row]] of the old one
+        order = order[np.arange(len(order)) + np.repeat(bounds[:-1][rank] - ordered[:-1], sizes)]
+        return cls(indices, starts, ends, order, ordered, counts)
 
     @property
     def rows(self) -> int:
@@ -102,8 +125,7 @@ class InheritedRows:
 
     @classmethod
     def of(cls, refs: list[list[int]], sizes: list[int]) -> InheritedRows:
-        bounds = np.zeros(len(sizes) + 1, dtype=np.int64)
-        np.cumsum(sizes, out=bounds[1:])
+        bounds = _bounds(np.asarray(sizes, dtype=np.int64))
         starts = bounds[:-1].tolist()
         return cls(refs, sizes, bounds.tolist(), [refs[start][0] for start in starts])
 
@@ -223,6 +245,25 @@ def _remap_of(state: dict[str, Any], epoch: int, base_length: int, path: str) ->
             if remap.epoch == epoch:
                 return remap
     return None
+
+
+def _bounds(sizes: np.ndarray) -> np.ndarray:
+    """Offsets of each row's first piece, and the total, for rows of ``sizes`` pieces."""
+    bounds = np.zeros(len(sizes) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=bounds[1:])
+    return bounds
+
+
+def _row_keys(order: np.ndarray, bounds: np.ndarray, lengths: np.ndarray, row_order: str) -> np.ndarray:
+    """One distinct key per row (``order[bounds[r]:bounds[r + 1]]``, ascending) that sorts the
+    rows in ``row_order``: the index of its first piece, or of its longest (earliest of equals)."""
+    if not len(order) or row_order == FIRST_PIECE:
+        first: np.ndarray = order[bounds[:-1]]
+        return first
+    count = len(lengths)
+    longest = np.maximum.reduceat(lengths[order] * count + (count - 1 - order), bounds[:-1])
+    keys: np.ndarray = count - 1 - longest % count
+    return keys
 
 
 def _is_count(value: Any) -> bool:

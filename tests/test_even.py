@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import threading
 from contextlib import contextmanager
+from types import SimpleNamespace
 from typing import Any, Callable, Iterator
 from unittest import mock
 
@@ -258,11 +259,15 @@ def test_refused_options_and_chains() -> None:
         Even(source).batch(2).repeat(2)  # a rescale could not continue ranks in different epochs
 
 
-def test_refused_in_a_dataloader_worker_of_a_multi_rank_job(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_refused_in_a_dataloader_worker_of_a_multi_rank_job_without_a_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No store handed down (a plain DataLoader, or a dataset built before the process group):
+    the worker cannot agree with the other ranks. With a single rank, each worker is alone."""
+    monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: SimpleNamespace(id=1, num_workers=2))
+    monkeypatch.setattr(even, "_inherited_store", None)
+    assert len(list(Even(rs.from_list(list(range(5)))))) == 5
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: object())
-    with pytest.raises(rs.ConfigError, match="num_workers=0"):
+    with pytest.raises(rs.ConfigError, match="no process group store.*num_workers=0"):
         next(Even(rs.from_list(list(range(5)))))
 
 

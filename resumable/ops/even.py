@@ -9,12 +9,19 @@ the items of earlier upstream epochs rank ``r`` has counted but not yielded. Ite
 ``Q_k`` are carried into the next even-epoch, never dropped; ``leftover`` reports the carry.
 
 The ranks agree with one ``all_reduce(MIN)`` per even-epoch, at its first item, which every
-rank reaches at the same step; none while ``torch.distributed`` is not initialised.
+rank reaches at the same step; none while ``torch.distributed`` is not initialised. Inside
+DataLoader workers, which cannot join a collective, every consumer (rank ``r``, worker ``w``)
+offers through the process group's key-value store instead and all take the minimum over all
+``world_size * num_workers`` consumers (``store_min``), so every rank yields ``num_workers * Q``.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+from dataclasses import dataclass
+from datetime import timedelta
+from itertools import count
 from typing import Any
 
 from resumable.core.indexed import IndexedNode
@@ -26,7 +33,7 @@ from resumable.ops.map import Map
 from resumable.ops.mix import Mix
 from resumable.ops.read_ahead import ReadAhead
 from resumable.ops.repeat import Repeat
-from resumable.order.topology import distributed_rank
+from resumable.order.topology import dataloader_worker, distributed_rank
 from resumable.pack.node import Pack
 
 TIMES = "times"
@@ -36,6 +43,83 @@ QUOTA = "quota"
 CARRY = "carry"
 COUNTED = "counted_epochs"
 STARTED = "started_epochs"
+
+# Store keys: NAMESPACE_ROOT/<restart>/<dataset>/<epoch>/<consumers>/<consumer> (see store_min).
+NAMESPACE_ROOT = "resumable/even"
+RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"  # torchrun's attempt: restarted jobs keep the agent's store
+
+_datasets = count()  # datasets built in this process: the same sequence on every rank
+
+
+@dataclass(frozen=True)
+class StoreRef:
+    """Where DataLoader workers agree: the TCPStore behind the process group (host, port, the
+    group's timeout) and a key prefix of the dataset their rank built."""
+
+    host: str
+    port: int
+    timeout_s: float
+    namespace: str
+
+
+# In a DataLoader worker: the store its parent handed down (see inherit_store).
+_inherited_store: StoreRef | None = None
+
+
+def new_namespace() -> str:
+    """A key prefix for one dataset: ranks build their datasets in the same order, so the
+    n-th of every rank gets the same one, and a torchrun restart gets fresh ones."""
+    return f"{NAMESPACE_ROOT}/{os.environ.get(RESTART_COUNT, '0')}/{next(_datasets)}"
+
+
+def default_store() -> tuple[str, int, float] | None:
+    """``(host, port, timeout in seconds)`` of the TCPStore behind the default process group,
+    or None without one (torch.distributed not initialised, or another kind of store).
+
+    torch has no public accessor for the default group's store: this is the one use of its
+    private ``_get_default_store`` (torch 2.x); ``underlying_store`` unwraps its prefixes."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    store = dist.distributed_c10d._get_default_store()
+    timeout = store.timeout
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    if not isinstance(store, dist.TCPStore):
+        return None
+    return str(store.host), int(store.port), float(timeout.total_seconds())
+
+
+def inherit_store(store: StoreRef | None) -> None:
+    """Record, in a DataLoader worker, the store its parent process agrees through."""
+    global _inherited_store
+    _inherited_store = store
+
+
+def store_min(offer: int, store: StoreRef, epoch: int, consumer: int, consumers: int) -> int:
+    """The smallest ``offer`` over ``consumers`` consumers: set key
+    ``<namespace>/<epoch>/<consumers>/<consumer>``, wait for every consumer's, take the minimum.
+
+    One connection and a few round trips per call. Offers are a function of the state at the
+    start of the epoch, so agreeing an epoch again (a restore before its agreement) finds the
+    same keys and the same minimum."""
+    dist = sys.modules["torch"].distributed
+    timeout = timedelta(seconds=store.timeout_s)
+    client = dist.TCPStore(store.host, store.port, is_master=False, timeout=timeout, wait_for_workers=False)
+    keys = [f"{store.namespace}/{epoch}/{consumers}/{c}" for c in range(consumers)]
+    client.set(keys[consumer], str(offer))
+    client.wait(keys, timeout)
+    return min(int(value) for value in client.multi_get(keys))
+
+
+def holds_even(state: Any) -> bool:
+    """Whether a pipeline state (JSON data) has an Even node in it."""
+    if isinstance(state, dict):
+        return state.get("kind") == Even.kind or any(holds_even(value) for value in state.values())
+    return isinstance(state, list) and any(holds_even(value) for value in state)
 
 
 def agree_min(offer: int, group: Any = None) -> int:
@@ -94,8 +178,9 @@ class Even(Node[Any]):
 
     Each epoch ends with StopIteration, at the same step on every rank; iterating again starts
     the next one. An epoch of zero items (a rank had nothing left) is empty on every rank.
-    Inside a DataLoader worker of a multi-rank job it refuses to run: workers cannot join a
-    collective; use it with ``num_workers=0`` per rank.
+    Inside DataLoader workers (``rs.torch.Loader``, ``PipelineDataset``) every worker of every
+    rank agrees through the process group's store (``store_min``) on one count for all;
+    ``group`` then does not apply.
     """
 
     kind = "Even"
@@ -168,11 +253,10 @@ class Even(Node[Any]):
 
     def _agree(self) -> int:
         """Count the next upstream epoch and agree with the other ranks on this epoch's size."""
-        self._refuse_dataloader_worker()
         offer = self._carry + self._next_length()
-        quota = agree_min(offer, self.group)
+        quota = self._agree_min(offer)
         if quota > offer:
-            raise StateError(f"{self.kind}: the ranks agreed on {quota} items, this rank has only {offer}")
+            raise StateError(f"{self.kind}: the consumers agreed on {quota} items, this one has only {offer}")
         self._counted += 1
         self._carry = offer - quota
         self._quota = quota
@@ -195,15 +279,24 @@ class Even(Node[Any]):
         upstream.set_state(saved)
         return length
 
-    def _refuse_dataloader_worker(self) -> None:
+    def _agree_min(self, offer: int) -> int:
+        """The minimum offer over the ranks (``agree_min``) or, in a DataLoader worker, over every
+        worker of every rank (``store_min``) when its rank handed down a store."""
+        worker, num_workers = dataloader_worker()
         torch = sys.modules.get("torch")
         if torch is None or torch.utils.data.get_worker_info() is None:
-            return
-        if distributed_rank()[1] > 1:
+            return agree_min(offer, self.group)
+        rank, world_size = distributed_rank()
+        if _inherited_store is not None:
+            consumers = world_size * num_workers
+            return store_min(offer, _inherited_store, self.epoch, rank * num_workers + worker, consumers)
+        if world_size > 1:
             raise ConfigError(
-                f"{self.kind}: runs inside a DataLoader worker of a multi-rank job, where it cannot agree with "
-                "the other ranks (workers cannot join a collective); use it with num_workers=0 on every rank"
+                f"{self.kind}: runs inside a DataLoader worker of a multi-rank job, but no process group store "
+                "was handed down to agree through: iterate it with rs.torch.Loader or PipelineDataset built after "
+                "torch.distributed.init_process_group (a TCPStore), or use num_workers=0"
             )
+        return offer
 
     # -- epochs and state ---------------------------------------------------------------------
 

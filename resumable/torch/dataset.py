@@ -11,6 +11,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from resumable.core.node import Node
 from resumable.errors import ConfigError, StateError
 from resumable.loader_state import PASS_EPOCH, PIPELINE
+from resumable.ops.even import StoreRef, default_store, inherit_store, new_namespace
 from resumable.order.topology import distributed_rank, inherit_rank
 
 PipelineOrFactory = Union[Node[Any], Callable[[], Node[Any]]]
@@ -59,7 +60,8 @@ class PipelineDataset(IterableDataset[Any]):
     partition: ``.shard()`` resolves ``rank * num_workers + worker`` inside the worker.
 
     The rank is read in the main process (torch.distributed is not initialised inside
-    workers) when the dataset is built and at each ``set_epoch``, and handed to the workers.
+    workers) when the dataset is built and at each ``set_epoch``, and handed to the workers,
+    with the address of the process group's store, through which ``.even()`` agrees in them.
 
     Epochs: the first ``iter()`` in a process starts epoch ``epoch`` (set in the main process
     before workers start, by ``rs.torch.Loader`` or by ``set_epoch``); each later ``iter()``
@@ -82,18 +84,29 @@ class PipelineDataset(IterableDataset[Any]):
             raise ConfigError(f"PipelineDataset: expected a pipeline or a function building one, got {pipeline!r}")
         self.epoch = 0
         self.rank = distributed_rank()
+        self._namespace = new_namespace()
+        self.store = self._store()
         self._told = 0  # set_epoch calls so far: each one is an order for the next iter()
         # In the process that iterates: (process id, set_epoch calls then, epoch started).
         self._started: tuple[int, int, int] | None = None
         # After an elastic rescale: the JSON pipeline state each worker (0 without workers)
         # continues the epoch from, applied at the next iter() (see rs.torch.Loader).
         self.rescaled: dict[int, str] | None = None
+        # After an epoch that ended in processes that are gone (fresh workers, a loaded state):
+        # the JSON pipeline state each worker ended it with, continued at the next iter() so
+        # that .even() keeps its carry (see rs.torch.Loader).
+        self.carried: dict[int, str] | None = None
+
+    def _store(self) -> StoreRef | None:
+        found = default_store()
+        return None if found is None else StoreRef(*found, namespace=self._namespace)
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch the next ``iter()`` starts (in every worker); also re-reads the rank."""
         self.epoch = epoch
         self._told += 1
         self.rank = distributed_rank()
+        self.store = self._store()
 
     @property
     def pipeline(self) -> Node[Any]:
@@ -108,7 +121,12 @@ class PipelineDataset(IterableDataset[Any]):
     def __iter__(self) -> WorkerIterator:
         if get_worker_info() is not None:
             inherit_rank(*self.rank)
+            inherit_store(self.store)
         pipe = self.pipeline
+        if self.carried is not None:
+            info = get_worker_info()
+            pipe.set_state(json.loads(self.carried[info.id if info is not None else 0]))
+            self.carried = None
         pid, started = os.getpid(), self._started
         if started is None or started[0] != pid or started[1] != self._told:
             epoch = self.epoch

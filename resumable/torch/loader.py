@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import copy
 import functools
+import json
 import warnings
 import weakref
 from typing import Any, Callable, Sequence, cast
@@ -29,6 +30,7 @@ from resumable.loader_state import (
     LoaderState,
     parse_loader_state,
 )
+from resumable.ops.even import holds_even
 from resumable.order.topology import distributed_rank
 from resumable.torch import _torchdata
 from resumable.torch._worker_signals import init_worker
@@ -110,6 +112,8 @@ class Loader(StatefulDataLoader):  # type: ignore[misc]  # torchdata is untyped 
         _OPEN_LOADERS.add(self)
 
     def __iter__(self) -> Any:
+        if self._next_iter_advances:
+            self.dataset.carried = self._carried()
         epoch = self._next_epoch() if self._next_iter_advances else self._epoch
         rescaled = self.dataset.rescaled is not None
         self.dataset.set_epoch(epoch)
@@ -124,7 +128,24 @@ class Loader(StatefulDataLoader):  # type: ignore[misc]  # torchdata is untyped 
         self._epoch, self._next_iter_advances, self._loaded = epoch, True, None
         if rescaled and self.num_workers:
             self.dataset.rescaled = None  # the workers have their copies
+        if self.num_workers:
+            self.dataset.carried = None
         return iterator
+
+    def _carried(self) -> dict[int, str] | None:
+        """Each worker's final pipeline state of the epoch that ended, when the processes that
+        held it are gone (fresh workers, or a loaded state) and it holds an ``.even()``, whose
+        carry continues into the next epoch; None when nothing needs carrying."""
+        if self._loaded is not None:
+            state = self._loaded
+        elif self.num_workers and not self.persistent_workers and _torchdata.current_iterator(self) is not None:
+            state = self.state_dict()
+        else:
+            return None
+        ended = parse_loader_state(state)
+        if not ended.finished or not any(holds_even(pipeline) for pipeline in ended.pipelines):
+            return None
+        return {worker: json.dumps(pipeline) for worker, pipeline in enumerate(ended.pipelines)}
 
     def _next_epoch(self) -> int:
         """The epoch after this one, if a Loader state can count it."""

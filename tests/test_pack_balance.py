@@ -5,6 +5,8 @@ still continue as they would have."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -13,6 +15,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import resumable as rs
+from resumable.elastic import restore
+from resumable.pack._planned import ROW_ORDER
+from resumable.pack.epoch import FIRST_PIECE, LONGEST_PIECE, ROW_ORDERS, Plan
 from resumable.pack.strategies import BestFit, FirstFit, NextFit, Packer, Row, WindowBFD
 from tests.resume import check_resume, roundtrip, take
 
@@ -171,3 +176,131 @@ def test_a_state_saved_before_whole_rows_waited_continues_as_it_would_have(strat
     assert list(resumed) == rest
     tokens = sorted(token for row in head + rest for token in row if token)
     assert tokens == sorted(int(token) for record in SMALL for token in record["input_ids"])
+
+
+# -- whole-epoch bfd: rows in the order of their longest piece -----------------------------------
+
+
+def planned() -> rs.Node[Any]:
+    return rs.from_list(CORPUS).pack(SEQ_LEN, strategy="bfd")
+
+
+def in_first_piece_order(pipe: rs.Node[Any]) -> rs.Node[Any]:
+    """``pipe`` restored from its own fresh state without ``row_order``, as states were saved
+    before: its plan orders this epoch's rows by their first piece."""
+    state = roundtrip(pipe.get_state())
+    pack = state
+    while pack["kind"] != "Pack":
+        pack = pack["upstream"]
+    del pack[ROW_ORDER]
+    pipe.set_state(state)
+    return pipe
+
+
+def test_every_window_of_a_whole_epoch_plans_rows_keeps_the_epochs_share_of_long_documents() -> None:
+    assert drift(planned()) <= BOUND
+
+
+def test_rows_in_the_order_of_their_first_piece_are_the_same_rows_and_break_the_bound() -> None:
+    """What the bound guards against: rows holding many short pieces have an early one."""
+    balanced = [row["input_ids"].tolist() for row in planned()]
+    before = in_first_piece_order(planned())
+    assert drift(before) > BOUND
+    after_restore = [row["input_ids"].tolist() for row in in_first_piece_order(planned())]
+    assert after_restore != balanced
+    assert sorted(after_restore) == sorted(balanced), "the same rows: the packing is unchanged"
+
+
+DOCUMENT_ROWS = st.lists(st.tuples(st.integers(1, 40), st.integers(0, 2), st.booleans()), max_size=40).map(
+    lambda drawn: np.array([(index, *piece) for index, piece in enumerate(drawn)], dtype=np.int64).reshape(-1, 4)
+)
+"""``(record index, tokens, reserved extra, whole rows?)`` per document, made into plan input below."""
+
+
+@given(drawn=DOCUMENT_ROWS, max_pieces=st.sampled_from([None, 2, 3]))
+def test_both_row_orders_plan_the_same_rows_in_their_order(drawn: np.ndarray, max_pieces: int | None) -> None:
+    seq_len = 8
+    tokens, extra, split = drawn[:, 1], drawn[:, 2], drawn[:, 3].astype(bool)
+    extra = np.where(split, 0, extra)  # a document with reserved positions is one piece
+    end = np.where(split, tokens, np.minimum(tokens, seq_len - extra))
+    documents = np.stack([drawn[:, 0], np.where(split, end // seq_len * seq_len, 0), end, extra], axis=1)
+    plans = {order: Plan.pack(documents, seq_len, max_pieces, {}, order) for order in ROW_ORDERS}
+    rows = {order: [plan.row(row) for row in range(plan.rows)] for order, plan in plans.items()}
+    assert sorted(rows[LONGEST_PIECE]) == sorted(rows[FIRST_PIECE])
+    longest_plan = plans[LONGEST_PIECE]
+    costs = (longest_plan.ends - longest_plan.starts + np.repeat(extra, _pieces(documents, seq_len))).tolist()
+    for order, key in ((FIRST_PIECE, min), (LONGEST_PIECE, lambda row: min(row, key=lambda i: (-costs[i], i)))):
+        assert all(row == sorted(row) for row in rows[order]), "a row's pieces come in the upstream's order"
+        keys = [key(row) for row in rows[order]]
+        assert keys == sorted(keys), order
+
+
+def _pieces(documents: np.ndarray, seq_len: int) -> np.ndarray:
+    """Pieces of each document: its whole rows, and its tail if any."""
+    result: np.ndarray = documents[:, 1] // seq_len + (documents[:, 2] > documents[:, 1])
+    return result
+
+
+# -- a whole-epoch bfd state saved by the code before: rows of the first-piece order -------------
+
+OLD = json.loads((Path(__file__).parent / "data" / "states_bfd_first_piece.json").read_text())
+"""Written by the code before ``row_order`` existed (commit 431fcaf) with ``recorded`` below:
+a state after 5 rows of epoch 0 and the rows it gave for the rest of the epoch; states of 3
+consumers after 0, 2 and 4 rows, and the rows 2 consumers gave for the rest of the epoch
+after restoring them."""
+RECORDS = [{"input_ids": (number + 1) * 1000 + np.arange(1 + number * 7 % 19)} for number in range(40)]
+
+
+def recorded(consumer: int = 0, consumers: int = 1) -> rs.Node[Any]:
+    return rs.from_list(RECORDS).shuffle(5).shard(consumer, consumers).pack(8, strategy="bfd").repeat()
+
+
+def ids(rows: list[dict[str, Any]]) -> list[list[int]]:
+    return [row["input_ids"].tolist() for row in rows]
+
+
+def from_old_state() -> rs.Node[Any]:
+    """The recorded pipeline restored from the old state, rows as lists."""
+    pipe = recorded()
+    pipe.set_state(roundtrip(OLD["state"]))
+    return pipe.map(lambda row: row["input_ids"].tolist())
+
+
+def test_an_old_state_continues_its_epoch_in_the_first_piece_order_then_plans_by_the_longest() -> None:
+    assert ROW_ORDER not in OLD["state"]["upstream"]
+    fresh = recorded()
+    epoch = len(fresh.upstream)
+    balanced = ids(take(fresh, 2 * epoch))
+    pipe = from_old_state()
+    assert take(pipe, len(OLD["rows"])) == OLD["rows"] != balanced[5:epoch]
+    assert take(pipe, epoch) == balanced[epoch:], "the next epoch is planned by the longest piece"
+
+
+@pytest.mark.parametrize("k", [0, 1, 20, 44, 45])
+def test_exact_resume_after_restoring_an_old_state(k: int) -> None:
+    """At the start, middle and end of the old-order epoch, the step after, into the next epoch,
+    twice in a row: the saved states keep the old order until the epoch ends."""
+    check_resume(from_old_state, k, 100, k2=k + 7)
+
+
+def test_old_consumers_states_rescale_as_they_did() -> None:
+    """The rows left by the old consumers keep their plans' order, and the stride no old
+    consumer planned is planned in that order too."""
+    for consumer, rows in enumerate(OLD["rescaled_rows"]):
+        pipe = recorded(consumer, 2)
+        restore(pipe, roundtrip(OLD["consumer_states"]))
+        assert ids(take(pipe, len(rows))) == rows
+
+
+def test_old_consumers_states_of_two_row_orders_are_refused() -> None:
+    states = roundtrip(OLD["consumer_states"])
+    states[1]["upstream"][ROW_ORDER] = LONGEST_PIECE
+    with pytest.raises(rs.StateError, match="Pack.*different row_orders"):
+        restore(recorded(0, 2), states)
+
+
+def test_an_unknown_row_order_is_refused() -> None:
+    state = roundtrip(OLD["state"])
+    state["upstream"][ROW_ORDER] = "shortest_piece"
+    with pytest.raises(rs.StateError, match="Pack.*'row_order' is 'shortest_piece'"):
+        recorded().set_state(state)

@@ -27,6 +27,9 @@ rows that ``2 * buffer_size`` documents make) against the epoch's share: the lar
 difference in points, the first window's share, and how many rows open the epoch before the
 first one holding a short document's tokens.
 
+``--plan`` times the whole-epoch plan alone (``Plan.pack``: pieces, best-fit-decreasing, row
+order) over UltraChat-like and C4-like lengths at 2048, in each row order, best of three.
+
 ``--payloads`` measures throughput with payload fields against without: UltraChat-like lengths at
 2048, each document with a per-token ``loss_mask`` (int8) as a token field and an image path as a
 document field; the best of three alternating runs of each.
@@ -51,6 +54,7 @@ sys.path.insert(0, str(ROOT))
 
 import resumable as rs  # noqa: E402
 from resumable.pack import Pack  # noqa: E402
+from resumable.pack.epoch import ROW_ORDERS, Plan  # noqa: E402
 
 CORPORA = {"UltraChat": (6.952, 0.533), "C4": (5.459, 1.158), "Alpaca": (4.822, 0.702)}
 CASES = [("UltraChat", 2048), ("C4", 2048), ("Alpaca", 2048), ("UltraChat", 8192)]
@@ -236,6 +240,28 @@ def balance(count: int, seed: int) -> None:
     )
 
 
+PLAN_RUNS = 3
+
+
+def plan_build(count: int, seed: int) -> None:
+    """Print the seconds ``Plan.pack`` takes per row order (``--plan``)."""
+    seq_len = 2048
+    print(f"{count} documents per corpus, seq_len {seq_len}, best of {PLAN_RUNS} runs, one core")
+    header = f"{'corpus':<10} {'row order':<14} {'pieces':>9} {'rows':>9} {'seconds':>8}"
+    print(header)
+    print("-" * len(header))
+    for corpus in ("UltraChat", "C4"):
+        sizes = lengths(corpus, count, seed)
+        documents = np.stack([np.arange(count), sizes // seq_len * seq_len, sizes, np.zeros_like(sizes)], axis=1)
+        for row_order in ROW_ORDERS:
+            best = math.inf
+            for _ in range(PLAN_RUNS):
+                began = time.perf_counter()
+                plan = Plan.pack(documents, seq_len, None, {}, row_order)
+                best = min(best, time.perf_counter() - began)
+            print(f"{corpus:<10} {row_order:<14} {len(plan.order):>9} {plan.rows:>9} {best:>8.2f}")
+
+
 PAYLOAD_STRATEGIES: list[tuple[str, int | None]] = [("greedy", None), ("best_fit", 1000), ("bfd", None)]
 PAYLOAD_RUNS = 3
 
@@ -282,6 +308,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--balance", action="store_true", help="measure length balance over time instead")
     parser.add_argument("--payloads", action="store_true", help="measure throughput with payload fields instead")
+    parser.add_argument("--plan", action="store_true", help="time the whole-epoch plan alone instead")
     args = parser.parse_args()
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # one core
@@ -290,6 +317,9 @@ def main() -> None:
         return
     if args.payloads:
         payload_throughput(args.docs, args.seed)
+        return
+    if args.plan:
+        plan_build(args.docs, args.seed)
         return
 
     header = (
@@ -313,9 +343,10 @@ def main() -> None:
             )
         reference = online_best_fit(sizes, seq_len, 1000)
         print(f"{corpus:<10} {seq_len:>7} {'online-bf':<10} {1000:>6} {'':>6} {reference:>9.2%} {bound:>7.2%}")
-    print("mean document lengths: " + ", ".join(
-        f"{name} {float(np.exp(mu + sigma**2 / 2)):.0f}" for name, (mu, sigma) in CORPORA.items()
-    ))
+    print(
+        "mean document lengths: "
+        + ", ".join(f"{name} {float(np.exp(mu + sigma**2 / 2)):.0f}" for name, (mu, sigma) in CORPORA.items())
+    )
 
 
 if __name__ == "__main__":

@@ -284,8 +284,11 @@ def test_a_directory_in_place_of_the_sidecar_keeps_the_index_in_memory(tmp_path:
     assert node.sidecar is not None
     os.mkdir(node.sidecar)
     Path(node.sidecar[: -len(".npy")] + ".json").write_text("{}")
-    with pytest.warns(SidecarWarning, match="stays in memory"):
+    with pytest.warns(SidecarWarning) as caught:
         assert node.kept.tolist() == KEPT_IDS
+    messages = [str(warning.message) for warning in caught]
+    assert any("damaged or stale" in message for message in messages)
+    assert any("stays in memory" in message for message in messages)
 
 
 def test_pickled_node_maps_the_sidecar_again(tmp_path: Path) -> None:

@@ -13,7 +13,6 @@ instead of stalling the suite.
 from __future__ import annotations
 
 import json
-import time
 from collections import Counter
 from datetime import timedelta
 from pathlib import Path
@@ -21,11 +20,10 @@ from typing import Any
 
 import numpy as np
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import resumable as rs
 from resumable.elastic import restore
-from tests.processes import free_port
+from tests.processes import free_port, run_ranks
 
 SEQ_LEN = 16
 # (ranks, rows rank r takes: ROWS[r]; None: to the end of the epoch)
@@ -77,23 +75,11 @@ def rank_main(rank: int, world_size: int, port: int, out: str, phase: int) -> No
         dist.destroy_process_group()
 
 
-def run_ranks(ranks: int, args: tuple[Any, ...], limit_s: float = 120.0) -> None:
-    """Run ``rank_main(rank, *args)`` in ``ranks`` forked processes; an error in one is raised
-    here, and ranks still running after ``limit_s`` seconds are killed and fail the test."""
-    context = mp.start_processes(rank_main, args=args, nprocs=ranks, join=False, start_method="fork")
-    deadline = time.monotonic() + limit_s
-    while not context.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            raise AssertionError(f"the {ranks} ranks did not finish within {limit_s} s")
-
-
 def test_mix_then_pack_rescaled_2_to_3_to_1_ranks_delivers_every_token_once(tmp_path: Path) -> None:
     seen: Counter[int] = Counter()
     for phase, (ranks, _) in enumerate(PHASES):
         (tmp_path / f"phase{phase}").mkdir()
-        run_ranks(ranks, (ranks, free_port(), str(tmp_path), phase))
+        run_ranks(rank_main, ranks, (ranks, free_port(), str(tmp_path), phase))
         for rank in range(ranks):
             seen.update(json.loads((tmp_path / f"phase{phase}" / f"tokens{rank}.json").read_text()))
     expected = Counter(t for d in documents(1, 70) if keep(d) for t in d["input_ids"])

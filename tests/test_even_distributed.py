@@ -7,7 +7,6 @@ states elastically. What each rank saw goes to a JSON file the test reads back."
 from __future__ import annotations
 
 import json
-import time
 from collections import Counter
 from datetime import timedelta
 from pathlib import Path
@@ -16,13 +15,12 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import resumable as rs
 from resumable.elastic import restore
 from resumable.ops.even import Even
 from resumable.torch import pack_figures
-from tests.processes import free_port
+from tests.processes import free_port, run_ranks
 
 SEQ_LEN = 16
 EPOCHS = 3
@@ -71,19 +69,6 @@ def train(pipe: Even, epochs: int, log: list[int] | None = None) -> list[list[An
             log.append(len(batches))
         done.append(batches)
     return done
-
-
-def run_ranks(ranks: int, out: Path, limit_s: float = 120.0) -> None:
-    """``rank_main`` in ``ranks`` forked processes of a fresh group; an error in one is raised
-    here, and ranks still running after ``limit_s`` seconds are killed and fail the test."""
-    args = (ranks, free_port(), str(out))
-    context = mp.start_processes(rank_main, args=args, nprocs=ranks, join=False, start_method="fork")
-    deadline = time.monotonic() + limit_s
-    while not context.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            raise AssertionError(f"the {ranks} ranks did not finish within {limit_s} s")
 
 
 def rank_main(rank: int, world_size: int, port: int, out: str) -> None:
@@ -142,7 +127,7 @@ def two_ranks(rank: int, out: Path) -> dict[str, Any]:
 
 
 def test_even_ranks_resume_rescale_and_figures(tmp_path: Path) -> None:
-    run_ranks(3, tmp_path)
+    run_ranks(rank_main, 3, (3, free_port(), str(tmp_path)))
     three = [json.loads((tmp_path / f"3ranks{r}.json").read_text()) for r in range(3)]
 
     assert len({rank["upstream_batches"] for rank in three}) == 3, "the ranks' batch counts differ"
@@ -174,7 +159,7 @@ def test_even_ranks_resume_rescale_and_figures(tmp_path: Path) -> None:
     for rank in three:
         assert rank["figures"] == expected
 
-    run_ranks(2, tmp_path)
+    run_ranks(rank_main, 2, (2, free_port(), str(tmp_path)))
     two = [json.loads((tmp_path / f"2ranks{r}.json").read_text()) for r in range(2)]
     assert two[0]["sizes"] == two[1]["sizes"], "the new ranks agree afresh"
     seen = Counter(t for rank in three for batch in rank["old_head"] for t in batch)

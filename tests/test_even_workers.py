@@ -7,7 +7,6 @@ tests/test_even_distributed.py, what each saw goes to a JSON file the test reads
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -15,12 +14,11 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import resumable as rs
 import resumable.torch as rst
 from resumable.loader_state import parse_loader_state
-from tests.processes import free_port
+from tests.processes import free_port, run_ranks
 from tests.test_even_distributed import SEQ_LEN, TIMEOUT, tokens
 
 WORKERS = 2
@@ -127,11 +125,5 @@ def test_workers_of_every_rank_agree_through_the_store(persistent: str, results:
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """What each of 2 forked ranks saw; ranks still running after 120 s are killed."""
     out = tmp_path_factory.mktemp("even_workers")
-    context = mp.start_processes(rank_main, args=(2, free_port(), str(out)), nprocs=2, join=False, start_method="fork")
-    deadline = time.monotonic() + 120.0
-    while not context.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            raise AssertionError("the 2 ranks did not finish within 120 s")
+    run_ranks(rank_main, 2, (2, free_port(), str(out)))
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]

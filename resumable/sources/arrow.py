@@ -18,15 +18,16 @@ changed is a ``SourceError``.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
 import xxhash
 
 from resumable.errors import ConfigError, SourceError, StateError
-from resumable.sources.files import NAME, Paths, WatchedFiles, expand_paths, reading
+from resumable.sources.files import NAME, Paths, WatchedFiles, reading
 from resumable.sources.parquet import group_take
+from resumable.sources.remote import Remote, resolve
 from resumable.sources.source import FileSource
 
 FINGERPRINT = "fingerprint"
@@ -41,18 +42,34 @@ def ipc_digest(path: str) -> str:
     schema, and every record batch's row count, null counts and buffer offsets and lengths.
     Any rewrite that changes the layout changes it; an edit of values in place that keeps every
     length does not. Reads the messages' metadata only, not their bodies."""
-    hasher = xxhash.xxh3_64()
     with pa.memory_map(path, "r") as source:
-        source.seek(IPC_FILE_PREAMBLE if source.read(len(IPC_FILE_MAGIC)) == IPC_FILE_MAGIC else 0)
-        for message in pa.ipc.MessageReader.open_stream(source):
-            hasher.update(message.metadata)
+        return file_ipc_digest(source)
+
+
+def object_ipc_digest(handle: pa.NativeFile) -> str:
+    """``ipc_digest`` of a remote object, read whole by one request (the messages' small reads
+    would each be a request)."""
+    return file_ipc_digest(pa.BufferReader(handle.read_buffer()))
+
+
+def file_ipc_digest(source: pa.NativeFile) -> str:
+    """``ipc_digest`` of an open file: a memory map, or a buffer."""
+    hasher = xxhash.xxh3_64()
+    source.seek(IPC_FILE_PREAMBLE if source.read(len(IPC_FILE_MAGIC)) == IPC_FILE_MAGIC else 0)
+    for message in pa.ipc.MessageReader.open_stream(source):
+        hasher.update(message.metadata)
     return f"arrow-ipc-metadata-xxh3_64:{hasher.hexdigest()}"
 
 
-def _read_batches(path: str, kind: str) -> list[pa.RecordBatch]:
-    """Record batches of an Arrow IPC file (file or streaming format), memory-mapped."""
-    with reading(f"{kind}: cannot open {path!r}"):
-        source = pa.memory_map(path, "r")
+def _read_batches(path: str, kind: str, remote: Remote | None) -> list[pa.RecordBatch]:
+    """Record batches of an Arrow IPC file (file or streaming format): memory-mapped for a
+    local file, read into memory by one request for a remote object."""
+    if remote is not None:
+        with remote.open(path, kind) as handle, reading(f"{kind}: cannot read {path!r}"):
+            source = pa.BufferReader(handle.read_buffer())
+    else:
+        with reading(f"{kind}: cannot open {path!r}"):
+            source = pa.memory_map(path, "r")
     with reading(f"{kind}: {path!r} is neither an Arrow IPC file nor an Arrow IPC stream"):
         try:
             reader = pa.ipc.open_file(source)
@@ -89,7 +106,8 @@ def _mapped_files(data: Any, batch_starts: np.ndarray, watched: dict[str, int]) 
 class ArrowSource(FileSource[dict[str, Any]]):
     """Rows (as dicts) of one or more Arrow IPC files, in file order then row order.
 
-    Both IPC formats are read through memory maps. Missing files, globs that match nothing,
+    Both IPC formats are read through memory maps; remote objects (which cannot be mapped) are
+    read whole into memory by one request, once per process. Missing files, globs that match nothing,
     files that are not Arrow IPC and a total of zero rows raise ``SourceError`` at
     construction. The state holds each file's name, size, mtime and IPC metadata digest:
     resuming over changed files is a ``StateError``. Pickles without memory maps (reopened
@@ -98,11 +116,16 @@ class ArrowSource(FileSource[dict[str, Any]]):
 
     kind = "ArrowSource"
 
-    def __init__(self, paths: Paths) -> None:
+    def __init__(self, paths: Paths, storage_options: Mapping[str, Any] | None = None, filesystem: Any = None) -> None:
         super().__init__()
-        self.paths = expand_paths(paths, self.kind)
-        per_file = [_read_batches(path, self.kind) for path in self.paths]
-        self._files = WatchedFiles.of(self.kind, self.paths, ipc_digest)
+        self.paths, self._remote = resolve(paths, self.kind, storage_options, filesystem)
+        remote = self._remote
+        per_file = [_read_batches(path, self.kind, remote) for path in self.paths]
+        self._files = (
+            WatchedFiles.of(self.kind, self.paths, ipc_digest)
+            if remote is None
+            else WatchedFiles.of(self.kind, self.paths, remote.digest(object_ipc_digest, self.kind), remote.stat)
+        )
         self._batch_file = [file for file, batches in enumerate(per_file) for _ in batches]
         self._batch_local = [local for batches in per_file for local in range(len(batches))]
         batches = [batch for batches in per_file for batch in batches]
@@ -126,13 +149,16 @@ class ArrowSource(FileSource[dict[str, Any]]):
     def _batch(self, index: int) -> pa.RecordBatch:
         """Record batch ``index`` (global numbering), validated on first use, after checking
         that its file is unchanged: a file cut short under a memory map would crash the process
-        on reading (SIGBUS)."""
+        on reading (SIGBUS). Remote objects are read into memory: ``watch`` checks them."""
         file = self._batch_file[index]
-        self._files.check(file)
+        if self._remote is None:
+            self._files.check(file)
         batches = self._batches
         if batches is None:  # reopened after pickling into a DataLoader worker
             self._files.check_all()
-            batches = self._batches = [batch for path in self.paths for batch in _read_batches(path, self.kind)]
+            batches = self._batches = [
+                batch for path in self.paths for batch in _read_batches(path, self.kind, self._remote)
+            ]
         batch = batches[index]
         if not self._valid[index]:  # memory-mapped batches are not validated on reading
             with reading(f"{self.kind}: cannot read record batch {self._batch_local[index]} of {self.paths[file]!r}"):
@@ -287,10 +313,11 @@ class HfSource(FileSource[dict[str, Any]]):
         return state
 
 
-def arrow(paths: Paths) -> ArrowSource:
+def arrow(paths: Paths, storage_options: Mapping[str, Any] | None = None, filesystem: Any = None) -> ArrowSource:
     """A source over Arrow IPC files (file or streaming format): a path, a glob, or a list of
-    them (globs sorted). Records are dicts."""
-    return ArrowSource(paths)
+    them (globs sorted), local or remote (``s3://`` URLs with ``storage_options``, or paths on a
+    ``pyarrow.fs`` ``filesystem``; see ``resumable.sources.remote``). Records are dicts."""
+    return ArrowSource(paths, storage_options=storage_options, filesystem=filesystem)
 
 
 def from_hf(dataset: Any) -> HfSource:

@@ -13,6 +13,7 @@ import contextlib
 import glob
 import math
 import os
+import re
 import time
 import zlib
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
@@ -20,10 +21,13 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import pyarrow as pa
 
 from resumable.core.state import short_repr
-from resumable.errors import SourceError, StateError
+from resumable.errors import ConfigError, SourceError, StateError
 
 PathLike = Union[str, "os.PathLike[str]"]
 Paths = Union[PathLike, Sequence[PathLike]]
+
+URL_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+"""A path that starts with a scheme (``s3://``, ``gs://``) is a URL, not a local path."""
 
 FILES = "files"
 """State key of a source's fingerprints."""
@@ -32,6 +36,9 @@ Fingerprint = list[Any]
 """``[path, size, mtime_ns, digest or None]``: a list, as a JSON state holds it."""
 Digest = Callable[[str], Optional[str]]
 """The content digest of the file at a path, or None where the format has no cheap one."""
+Stat = Callable[[str, str], tuple[int, int]]
+"""``(size, mtime_ns)`` of the file at a path (the second argument: the source kind, for errors);
+``SourceError`` when it is gone or unreadable. Local files by default, objects for remote ones."""
 
 NAME, SIZE, MTIME_NS, DIGEST = range(4)
 """Positions of a fingerprint's entries."""
@@ -64,6 +71,11 @@ def expand_paths(paths: Paths, kind: str) -> list[str]:
         raise SourceError(f"{kind}: no paths given")
     files: list[str] = []
     for pattern in patterns:
+        if URL_SCHEME.match(pattern):
+            raise ConfigError(
+                f"{kind}: {pattern!r} is a URL; remote files are read by rs.parquet and rs.arrow only "
+                "(JSONL over object storage is not supported yet)"
+            )
         if glob.has_magic(pattern):
             matches = sorted(match for match in glob.glob(pattern, recursive=True) if os.path.isfile(match))
             if not matches:
@@ -101,12 +113,18 @@ def stat(path: str, kind: str) -> os.stat_result:
         raise SourceError(f"{kind}: cannot stat {path!r}: {error}") from error
 
 
-def fingerprint(path: str, digest: Digest, kind: str) -> Fingerprint:
-    """``[path, size, mtime_ns, digest]`` of the file at ``path``."""
+def local_stat(path: str, kind: str) -> tuple[int, int]:
+    """``(size, mtime_ns)`` of a local file: the default ``Stat``."""
     info = stat(path, kind)
+    return info.st_size, info.st_mtime_ns
+
+
+def fingerprint(path: str, digest: Digest, kind: str, size_mtime: Stat = local_stat) -> Fingerprint:
+    """``[path, size, mtime_ns, digest]`` of the file at ``path``."""
+    size, mtime_ns = size_mtime(path, kind)
     with reading(f"{kind}: cannot read {path!r}"):
         content = digest(path)
-    return [path, info.st_size, info.st_mtime_ns, content]
+    return [path, size, mtime_ns, content]
 
 
 class WatchedFiles:
@@ -122,17 +140,20 @@ class WatchedFiles:
       digest is computed once per change.
     """
 
-    def __init__(self, kind: str, fingerprints: list[Fingerprint], digest: Digest) -> None:
+    def __init__(
+        self, kind: str, fingerprints: list[Fingerprint], digest: Digest, size_mtime: Stat = local_stat
+    ) -> None:
         self.kind = kind
         self.fingerprints = fingerprints
         self._digest = digest
+        self._stat = size_mtime
         self._next_watched = 0
         self._last_watch = -math.inf
 
     @classmethod
-    def of(cls, kind: str, paths: Sequence[str], digest: Digest) -> WatchedFiles:
-        """Fingerprint ``paths`` now."""
-        return cls(kind, [fingerprint(path, digest, kind) for path in paths], digest)
+    def of(cls, kind: str, paths: Sequence[str], digest: Digest, size_mtime: Stat = local_stat) -> WatchedFiles:
+        """Fingerprint ``paths`` now (local files, or through ``size_mtime`` and ``digest``)."""
+        return cls(kind, [fingerprint(path, digest, kind, size_mtime) for path in paths], digest, size_mtime)
 
     def size(self, file: int) -> int:
         """The size of file ``file`` when the pipeline was built."""
@@ -160,9 +181,9 @@ class WatchedFiles:
         """Raise ``SourceError`` if file ``file`` changed since the pipeline was built."""
         recorded = self.fingerprints[file]
         path = recorded[NAME]
-        info = stat(path, self.kind)
-        if info.st_size != recorded[SIZE] or info.st_mtime_ns != recorded[MTIME_NS]:
-            self.confirm(file, info.st_size, info.st_mtime_ns, lambda: self._digest(path))
+        size, mtime_ns = self._stat(path, self.kind)
+        if size != recorded[SIZE] or mtime_ns != recorded[MTIME_NS]:
+            self.confirm(file, size, mtime_ns, lambda: self._digest(path))
 
     def confirm(self, file: int, size: int, mtime_ns: int, digest: Callable[[], str | None]) -> None:
         """Raise ``SourceError`` unless ``size``, ``mtime_ns`` (and, when only the mtime differs,

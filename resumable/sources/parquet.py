@@ -15,7 +15,7 @@ import os
 import struct
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Sequence
+from typing import Any, BinaryIO, Callable, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -23,7 +23,8 @@ import pyarrow.parquet as pq
 import xxhash
 
 from resumable.errors import ConfigError, SourceError
-from resumable.sources.files import Paths, WatchedFiles, expand_paths, reading
+from resumable.sources.files import Paths, WatchedFiles, reading
+from resumable.sources.remote import resolve
 from resumable.sources.source import FileSource
 
 COLUMNS = "columns"
@@ -77,14 +78,20 @@ class ParquetSource(FileSource[dict[str, Any]]):
     ``columns`` selects columns (all by default). Missing files, globs that match nothing,
     unreadable files and a total of zero rows raise ``SourceError`` at construction. The state
     holds each file's name, size, mtime and footer digest, and the columns: resuming over
-    changed files or other columns is a ``StateError``. Pickles without open files (DataLoader
+    changed files or other columns is a ``StateError``. Remote objects are read by ranged reads,
+    a row group at a time, through their filesystem. Pickles without open files (DataLoader
     workers reopen them lazily).
     """
 
     kind = "ParquetSource"
 
     def __init__(
-        self, paths: Paths, columns: Sequence[str] | None = None, cache_row_groups: int = DEFAULT_CACHE_ROW_GROUPS
+        self,
+        paths: Paths,
+        columns: Sequence[str] | None = None,
+        cache_row_groups: int = DEFAULT_CACHE_ROW_GROUPS,
+        storage_options: Mapping[str, Any] | None = None,
+        filesystem: Any = None,
     ) -> None:
         super().__init__()
         if columns is not None:
@@ -93,10 +100,15 @@ class ParquetSource(FileSource[dict[str, Any]]):
             columns = list(columns)
         if isinstance(cache_row_groups, bool) or not isinstance(cache_row_groups, int) or cache_row_groups < 1:
             raise ConfigError(f"{self.kind}: cache_row_groups must be an int >= 1, got {cache_row_groups!r}")
-        self.paths = expand_paths(paths, self.kind)
+        self.paths, self._remote = resolve(paths, self.kind, storage_options, filesystem)
         self.columns = columns
         self.cache_row_groups = cache_row_groups
-        self._files = WatchedFiles.of(self.kind, self.paths, footer_digest)
+        remote = self._remote
+        self._files = (
+            WatchedFiles.of(self.kind, self.paths, footer_digest)
+            if remote is None
+            else WatchedFiles.of(self.kind, self.paths, remote.digest(file_footer_digest, self.kind), remote.stat)
+        )
         self._handles: list[pq.ParquetFile | None] = [None] * len(self.paths)
         counts: list[int] = []
         group_file: list[int] = []
@@ -144,13 +156,19 @@ class ParquetSource(FileSource[dict[str, Any]]):
 
     # -- reading ------------------------------------------------------------------------------
 
+    def _source(self, file: int) -> str | pa.NativeFile:
+        """What ``pq.ParquetFile`` reads file ``file`` from: its path, or a random-access file
+        over the object (pyarrow reads the footer and each column chunk by ranged reads)."""
+        path = self.paths[file]
+        return path if self._remote is None else self._remote.open(path, self.kind)
+
     def _file(self, file: int) -> pq.ParquetFile:
         handle = self._handles[file]
         if handle is None:
             # Opened lazily (again after pickling): it must be the file the pipeline was built on.
             self._files.check(file)
             with reading(f"{self.kind}: cannot read {self.paths[file]!r} as Parquet"):
-                handle = pq.ParquetFile(self.paths[file])
+                handle = pq.ParquetFile(self._source(file))
             self._handles[file] = handle
         return handle
 
@@ -163,7 +181,7 @@ class ParquetSource(FileSource[dict[str, Any]]):
         handle = self._file(file)
         with reading(f"{self.kind}: cannot decode row group {int(self._group_local[group])} of {self.paths[file]!r}"):
             if private_handle:
-                handle = pq.ParquetFile(self.paths[file], metadata=handle.metadata)
+                handle = pq.ParquetFile(self._source(file), metadata=handle.metadata)
             table = handle.read_row_group(int(self._group_local[group]), columns=self.columns)
             table.validate(full=True)  # what to_pylist will trust: offsets in bounds, valid UTF-8
         return table
@@ -230,21 +248,38 @@ def footer_digest(path: str) -> str | None:
     chunk offsets, sizes and statistics): any rewrite changes it, an edit of data pages in
     place that keeps every size may not. None when the file has no Parquet footer."""
     with open(path, "rb") as handle:
-        size = handle.seek(0, os.SEEK_END)
-        if size < FOOTER_TAIL.size:
-            return None
-        handle.seek(size - FOOTER_TAIL.size)
-        length, magic = FOOTER_TAIL.unpack(handle.read(FOOTER_TAIL.size))
-        if magic not in PARQUET_MAGICS or length > size - FOOTER_TAIL.size:
-            return None
-        handle.seek(size - FOOTER_TAIL.size - length)
-        footer = handle.read(length + FOOTER_TAIL.size)
+        return file_footer_digest(handle)
+
+
+def file_footer_digest(handle: BinaryIO | pa.NativeFile) -> str | None:
+    """``footer_digest`` of an open file (local, or an object read by two ranged reads)."""
+    size = handle.seek(0, os.SEEK_END)
+    if size < FOOTER_TAIL.size:
+        return None
+    handle.seek(size - FOOTER_TAIL.size)
+    length, magic = FOOTER_TAIL.unpack(handle.read(FOOTER_TAIL.size))
+    if magic not in PARQUET_MAGICS or length > size - FOOTER_TAIL.size:
+        return None
+    handle.seek(size - FOOTER_TAIL.size - length)
+    footer = handle.read(length + FOOTER_TAIL.size)
     return f"parquet-footer-xxh3_64:{xxhash.xxh3_64_hexdigest(footer)}"
 
 
 def parquet(
-    paths: Paths, columns: Sequence[str] | None = None, cache_row_groups: int = DEFAULT_CACHE_ROW_GROUPS
+    paths: Paths,
+    columns: Sequence[str] | None = None,
+    cache_row_groups: int = DEFAULT_CACHE_ROW_GROUPS,
+    storage_options: Mapping[str, Any] | None = None,
+    filesystem: Any = None,
 ) -> ParquetSource:
-    """A source over Parquet files: a path, a glob, or a list of them (globs sorted). Records
-    are dicts of the selected ``columns`` (all by default)."""
-    return ParquetSource(paths, columns=columns, cache_row_groups=cache_row_groups)
+    """A source over Parquet files: a path, a glob, or a list of them (globs sorted), local or
+    remote (``s3://`` URLs with ``storage_options``, or paths on a ``pyarrow.fs`` ``filesystem``;
+    see ``resumable.sources.remote``). Records are dicts of the selected ``columns`` (all by
+    default)."""
+    return ParquetSource(
+        paths,
+        columns=columns,
+        cache_row_groups=cache_row_groups,
+        storage_options=storage_options,
+        filesystem=filesystem,
+    )

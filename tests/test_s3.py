@@ -161,3 +161,20 @@ def test_urls_for_jsonl_and_bad_options_are_config_errors(s3: dict[str, Any]) ->
         rs.parquet(url, storage_options={"bogus": 1})
     with pytest.raises(rs.ConfigError, match="mix"):
         rs.parquet([url, s3["parquet"][0][0]], storage_options=s3["server"].options)
+
+
+def test_client_kwargs_and_anonymous_access_to_a_private_bucket(s3: dict[str, Any]) -> None:
+    server: S3Server = s3["server"]
+    parts, url = s3["parquet"]
+    options = {
+        "key": KEY_ID,
+        "secret": SECRET,
+        "client_kwargs": {"endpoint_url": server.endpoint, "region_name": REGION},
+    }
+    assert list(rs.parquet(url, storage_options=options)) == list(rs.parquet(parts))
+    anonymous = {"anon": True, "endpoint_url": server.endpoint, "region": REGION}  # unsigned requests
+    with pytest.raises(rs.SourceError, match="ACCESS_DENIED") as raised:  # the bucket is private
+        rs.parquet(url, storage_options=anonymous)
+    assert "part-0.parquet" in str(raised.value)
+    with pytest.raises(rs.ConfigError, match="client_kwargs.verify"):
+        rs.parquet(url, storage_options={"client_kwargs": {"verify": False}})

@@ -10,12 +10,14 @@ each block the first time it is used. Writes are atomic, so readers never see a 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import mmap
 import os
 import struct
 import warnings
-from typing import IO, TYPE_CHECKING, NamedTuple
+from typing import IO, TYPE_CHECKING, Iterator, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -28,6 +30,8 @@ if TYPE_CHECKING:
     from resumable.sources.line_index import LineIndex
 
 SIDECAR_SUFFIX = ".rsidx"
+LOCK_SUFFIX = ".lock"
+"""Suffix of the lock file beside a remote object's sidecar while it is built."""
 CACHE_DIR_ENV = "RESUMABLE_CACHE_DIR"
 DEFAULT_CACHE_DIR = os.path.join("~", ".cache", "resumable", "index")
 CACHE_NAME_CHARS = 80
@@ -121,6 +125,33 @@ def cache_path(path: str, cache_dir: str | None) -> str:
     digest = hashlib.sha256(os.fsencode(absolute)).hexdigest()[:CACHE_HASH_CHARS]
     name = os.path.basename(absolute)[:CACHE_NAME_CHARS]
     return os.path.join(root, f"{name}.{digest}{SIDECAR_SUFFIX}")
+
+
+def remote_cache_path(url: str, edge_digest: str, cache_dir: str | None) -> str:
+    """The sidecar path of a remote object in the cache dir: its basename plus a hash of the URL
+    and the object's edge digest, so a replaced object gets a sidecar of its own."""
+    root = os.path.expanduser(cache_dir or os.environ.get(CACHE_DIR_ENV) or DEFAULT_CACHE_DIR)
+    digest = hashlib.sha256(f"{url}\0{edge_digest}".encode()).hexdigest()[:CACHE_HASH_CHARS]
+    name = url.rstrip("/").rpartition("/")[2][:CACHE_NAME_CHARS]
+    return os.path.join(root, f"{name}.{digest}{SIDECAR_SUFFIX}")
+
+
+@contextlib.contextmanager
+def locked(sidecar: str) -> Iterator[None]:
+    """Hold an exclusive lock on ``sidecar + LOCK_SUFFIX`` (created, directories included): the
+    processes of a machine that need the same missing sidecar build it one at a time, and the
+    ones that wait find it built. Without a writable directory, no lock (each builds)."""
+    try:
+        os.makedirs(os.path.dirname(sidecar), exist_ok=True)
+        handle = os.open(sidecar + LOCK_SUFFIX, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(handle)
 
 
 def pack_header(index: LineIndex) -> bytes:

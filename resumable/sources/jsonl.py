@@ -3,20 +3,27 @@
 Each file has a line-offset index (``LineIndex``, kept in a sidecar file), so record ``i`` is
 one slice of a memory map: sequential reading takes large contiguous blocks and a resume seeks
 straight to the record's byte offset, at the same cost anywhere in a 100 GB file.
+
+Objects in object storage (``s3://`` URLs, or paths on a ``pyarrow.fs`` filesystem) are indexed
+by one streamed scan into the cache dir (``LineIndex.open_remote``) and read by ranged reads in
+aligned blocks through a bounded in-memory cache (``resumable.sources.remote.BlockReader``).
 """
 
 from __future__ import annotations
 
 import logging
 import mmap
-from typing import Any, Callable, Sequence
+from functools import partial
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import orjson
 
 from resumable.errors import ConfigError, SourceError
-from resumable.sources.files import Paths, WatchedFiles, expand_paths, reading
-from resumable.sources.line_index import LineIndex, content_digest_in
+from resumable.sources.files import Paths, WatchedFiles, reading
+from resumable.sources.line_index import LineIndex, content_digest_in, remote_content_digest
+from resumable.sources.remote import BLOCK_BYTES as REMOTE_BLOCK_BYTES
+from resumable.sources.remote import CACHE_BYTES, BlockReader, Remote, resolve
 from resumable.sources.source import FileSource
 
 logger = logging.getLogger("resumable")
@@ -38,24 +45,47 @@ class JsonlSource(FileSource[Any]):
     line, or with ``on_error="skip"`` is skipped, counted in ``stats`` and logged. The state
     holds each file's name, size, mtime and content digest (from its line index): resuming on
     changed files is a ``StateError``, a file changed during the run a ``SourceError``.
+
+    Remote objects (``storage_options``/``filesystem``, see ``resumable.sources.remote``) are read
+    in aligned blocks of ``block_bytes`` through an LRU of ``cache_bytes`` per file and process;
+    ``stats`` then counts the ranged reads (``requests``) and ``bytes_fetched``.
     """
 
     kind = "JsonlSource"
 
-    def __init__(self, paths: Paths, on_error: str = "raise", cache_dir: str | None = None) -> None:
+    def __init__(
+        self,
+        paths: Paths,
+        on_error: str = "raise",
+        cache_dir: str | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        filesystem: Any = None,
+        block_bytes: int = REMOTE_BLOCK_BYTES,
+        cache_bytes: int = CACHE_BYTES,
+    ) -> None:
         super().__init__()
         if on_error not in ON_ERROR_CHOICES:
             raise ConfigError(f"{self.kind}: on_error must be one of {ON_ERROR_CHOICES}, got {on_error!r}")
-        self.paths = expand_paths(paths, self.kind)
+        for name, value in (("block_bytes", block_bytes), ("cache_bytes", cache_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{self.kind}: {name} must be a positive int, got {value!r}")
+        if cache_bytes < block_bytes:
+            raise ConfigError(f"{self.kind}: cache_bytes ({cache_bytes}) must hold a block ({block_bytes} bytes)")
+        self.paths, self._remote = resolve(paths, self.kind, storage_options, filesystem)
         self.on_error = on_error
         self.cache_dir = cache_dir
-        indices = [LineIndex.open(p, cache_dir=cache_dir) for p in self.paths]
+        self.block_bytes = block_bytes
+        self.cache_bytes = cache_bytes
+        indices = [self._open_index(p) for p in self.paths]
         self._indices: list[LineIndex | None] = list(indices)
-        self._files = WatchedFiles(
-            self.kind,
-            [[p, index.size, index.mtime_ns, index.content_digest] for p, index in zip(self.paths, indices)],
-            content_digest_in(cache_dir),
-        )
+        fingerprints = [[p, index.size, index.mtime_ns, index.content_digest] for p, index in zip(self.paths, indices)]
+        remote = self._remote
+        if remote is None:
+            self._files = WatchedFiles(self.kind, fingerprints, content_digest_in(cache_dir))
+        else:
+            digest = partial(remote_content_digest, remote, self.kind, cache_dir)
+            self._files = WatchedFiles(self.kind, fingerprints, digest, remote.stat)
+        self._readers: list[BlockReader | None] = [None] * len(self.paths)
         counts = [index.num_records for index in self._live_indices()]
         self._offsets = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
         self._total = int(self._offsets[-1])
@@ -73,13 +103,19 @@ class JsonlSource(FileSource[Any]):
 
     @property
     def stats(self) -> dict[str, int]:
-        """Records and files indexed, blank lines ignored, malformed records skipped so far."""
-        return {
+        """Records and files indexed, blank lines ignored, malformed records skipped so far; for
+        remote objects also the ranged reads and bytes fetched by this process."""
+        stats = {
             "records": self._total,
             "files": len(self.paths),
             "blank_lines": self._blank_lines,
             "skipped": self.skipped,
         }
+        if self._remote is not None:
+            readers = [reader for reader in self._readers if reader is not None]
+            stats["requests"] = sum(reader.requests for reader in readers)
+            stats["bytes_fetched"] = sum(reader.bytes_fetched for reader in readers)
+        return stats
 
     # -- state --------------------------------------------------------------------------------
 
@@ -92,10 +128,15 @@ class JsonlSource(FileSource[Any]):
 
     # -- reading ------------------------------------------------------------------------------
 
+    def _open_index(self, path: str) -> LineIndex:
+        if self._remote is None:
+            return LineIndex.open(path, cache_dir=self.cache_dir)
+        return LineIndex.open_remote(self._remote, path, self.kind, self.cache_dir)
+
     def _index(self, file: int) -> LineIndex:
         index = self._indices[file]
         if index is None:  # reopened after pickling into a DataLoader worker
-            opened = LineIndex.open(self.paths[file], cache_dir=self.cache_dir)
+            opened = self._open_index(self.paths[file])
             self._files.confirm(file, opened.size, opened.mtime_ns, lambda: opened.content_digest)
             index = self._indices[file] = opened
         return index
@@ -111,6 +152,17 @@ class JsonlSource(FileSource[Any]):
             self._maps[file] = mapped
         return mapped
 
+    def _reader(self, file: int, remote: Remote) -> BlockReader:
+        """The block reader of remote file ``file``, made (after checking that the object is
+        unchanged) on first use."""
+        reader = self._readers[file]
+        if reader is None:
+            self._files.check(file)
+            size = self._files.size(file)
+            reader = BlockReader(remote, self.paths[file], size, self.kind, self.block_bytes, self.cache_bytes)
+            self._readers[file] = reader
+        return reader
+
     def _locate(self, index: int) -> tuple[int, int]:
         """``(file, record within file)`` of a global record index."""
         file = int(np.searchsorted(self._offsets, index, side="right")) - 1
@@ -118,6 +170,8 @@ class JsonlSource(FileSource[Any]):
 
     def _raw_range(self, start: int, count: int) -> Sequence[bytes]:
         file, first = self._locate(start)
+        if self._remote is not None:
+            return self._slices(file, np.arange(first, min(first + count, self._index(file).num_records)))
         mapped = self._map(file)
         index = self._index(file)
         span = index.offsets(first, min(first + count, index.num_records) + 1)
@@ -138,6 +192,9 @@ class JsonlSource(FileSource[Any]):
         return out
 
     def _slices(self, file: int, local: np.ndarray) -> list[bytes]:
+        remote = self._remote
+        if remote is not None:
+            return self._reader(file, remote).ranges(*self._index(file).spans(local))
         mapped = self._map(file)
         index = self._index(file)
         starts, ends = index.spans(local)
@@ -167,9 +224,28 @@ class JsonlSource(FileSource[Any]):
         state = self.__dict__.copy()
         state["_maps"] = [None] * len(self.paths)
         state["_indices"] = [None] * len(self.paths)
+        state["_readers"] = [None] * len(self.paths)
         return state
 
 
-def jsonl(paths: Paths, on_error: str = "raise", cache_dir: str | None = None) -> JsonlSource:
-    """A source over JSONL files: a path, a glob, or a list of them (globs sorted)."""
-    return JsonlSource(paths, on_error=on_error, cache_dir=cache_dir)
+def jsonl(
+    paths: Paths,
+    on_error: str = "raise",
+    cache_dir: str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    filesystem: Any = None,
+    block_bytes: int = REMOTE_BLOCK_BYTES,
+    cache_bytes: int = CACHE_BYTES,
+) -> JsonlSource:
+    """A source over JSONL files: a path, a glob, or a list of them (globs sorted); or objects
+    in object storage (``s3://`` URLs with ``storage_options``, or paths on a ``pyarrow.fs``
+    ``filesystem``), read in blocks of ``block_bytes`` through a ``cache_bytes`` memory cache."""
+    return JsonlSource(
+        paths,
+        on_error=on_error,
+        cache_dir=cache_dir,
+        storage_options=storage_options,
+        filesystem=filesystem,
+        block_bytes=block_bytes,
+        cache_bytes=cache_bytes,
+    )

@@ -36,6 +36,7 @@ from resumable.sources import _sidecar
 from resumable.sources._line_scan import UTF8_BOM, Scanner
 from resumable.sources._sidecar import SIDECAR_SUFFIX, SidecarWarning
 from resumable.sources.files import REMEDY, reading
+from resumable.sources.remote import Remote
 
 Progress = Callable[[int], None]
 """Called with the number of bytes processed since the previous call (e.g. ``tqdm.update``)."""
@@ -78,6 +79,8 @@ class LineIndex:
         self.has_bom = has_bom
         self.content = content
         self.sidecar = sidecar
+        self.remote: Remote | None = None
+        """The filesystem of a remote data file (``path`` is then its URL), else None."""
         self._use(starts, mapping, block_checksums)
 
     def __len__(self) -> int:
@@ -151,24 +154,7 @@ class LineIndex:
             if has_bom:
                 content.update(UTF8_BOM)
             data.seek(position)
-            buffer = bytearray(chunk)
-            view = memoryview(buffer)
-            array = np.frombuffer(buffer, dtype=np.uint8)
-            is_newline = np.empty(chunk, dtype=np.bool_)
-            scanner = Scanner(position)
-            reported = 0
-            while position < size:
-                n = data.readinto(view[: min(chunk, size - position)])
-                if not n:
-                    raise SourceError(f"data file {path!r} shrank while being indexed")
-                scanner.feed(array[:n], is_newline, position)
-                content.update(view[:n])
-                position += n
-                if progress is not None:
-                    progress(position - reported)
-                    reported = position
-            if progress is not None and position > reported:
-                progress(position - reported)
+            scanner = _scan(data.readinto, path, size, position, chunk, content, progress)
             after = os.fstat(data.fileno())
         if (after.st_size, after.st_mtime_ns) != (size, before.st_mtime_ns):
             raise SourceError(f"data file {path!r} changed while being indexed")
@@ -183,6 +169,59 @@ class LineIndex:
             starts=starts,
             sidecar=None,
         )
+
+    @classmethod
+    def open_remote(cls, remote: Remote, url: str, kind: str, cache_dir: str | None = None) -> LineIndex:
+        """The index of the object ``url``: loaded from the cache dir when one is keyed on the
+        object's URL, size, mtime and edge digest, else built by one streamed scan and stored
+        there (under a lock, so the processes of a machine build it once; atomic rename)."""
+        size, mtime_ns = remote.stat(url, kind)
+        sidecar = _sidecar.remote_cache_path(url, remote.edge_digest(url, size, kind), cache_dir)
+        loaded = cls._load(url, sidecar, size, mtime_ns)
+        if loaded is None:
+            with _sidecar.locked(sidecar):
+                loaded = cls._load(url, sidecar, size, mtime_ns)  # built by another process meanwhile
+                if loaded is None:
+                    loaded = cls.build_remote(remote, url, size, mtime_ns, kind)
+                    try:
+                        loaded._use(*_sidecar.write(sidecar, loaded), None)
+                        loaded.sidecar = sidecar
+                    except OSError:
+                        warnings.warn(
+                            f"cannot write the line index of {url!r} to {sidecar!r}; keeping it in memory "
+                            "(it will be rebuilt next time)",
+                            SidecarWarning,
+                            stacklevel=2,
+                        )
+        loaded.remote = remote
+        return loaded
+
+    @classmethod
+    def build_remote(cls, remote: Remote, url: str, size: int, mtime_ns: int, kind: str) -> LineIndex:
+        """Scan the object ``url`` (``size`` bytes) sequentially in ``CHUNK_SIZE`` blocks."""
+        content = xxhash.xxh3_64()
+        with remote.open_stream(url, kind) as data, reading(f"{kind}: cannot read {url!r}"):
+            head = data.read(min(size, len(UTF8_BOM)))
+            has_bom = head == UTF8_BOM
+            position = len(UTF8_BOM) if has_bom else 0
+            content.update(head)
+            first = np.frombuffer(head[position:], dtype=np.uint8)  # a stream cannot seek back
+            scanner = Scanner(position)
+            scanner.feed(first, np.empty(first.size, dtype=np.bool_), position)
+            scanner = _scan(data.readinto, url, size, len(head), CHUNK_SIZE, content, None, scanner)
+        starts = scanner.finish(size)  # counts a blank last line, so before reading blank_lines
+        index = cls(
+            path=url,
+            size=size,
+            mtime_ns=mtime_ns,
+            blank_lines=scanner.blank_lines,
+            has_bom=has_bom,
+            content=content.intdigest(),
+            starts=starts,
+            sidecar=None,
+        )
+        index.remote = remote
+        return index
 
     # -- verified reads -------------------------------------------------------------------------
 
@@ -247,7 +286,12 @@ class LineIndex:
     def _rebuild(self, reason: str) -> None:
         """Replace a corrupt sidecar's offsets by a fresh build of the same data file."""
         _sidecar.warn_corrupt(self.sidecar, self.path, reason)
-        built = LineIndex.build(self.path)
+        remote = self.remote
+        built = (
+            LineIndex.build(self.path)
+            if remote is None
+            else LineIndex.build_remote(remote, self.path, self.size, self.mtime_ns, "JsonlSource")
+        )
         if (built.size, built.mtime_ns, built.num_records, built.content) != (
             self.size,
             self.mtime_ns,
@@ -270,7 +314,9 @@ class LineIndex:
             raise IndexError(f"record {index} out of range: {self.path!r} has {self.num_records} records")
         remaining = int(self.offsets(index, index + 1)[0])
         newlines = 0
-        with reading(f"cannot read data file {self.path!r}"), open(self.path, "rb") as data:
+        remote = self.remote
+        opened = open(self.path, "rb") if remote is None else remote.open_stream(self.path, "JsonlSource")
+        with reading(f"cannot read data file {self.path!r}"), opened as data:
             while remaining > 0:
                 block = data.read(min(CHUNK_SIZE, remaining))
                 if not block:
@@ -322,6 +368,44 @@ def content_digest(path: str, cache_dir: str | None = None) -> str:
 def content_digest_in(cache_dir: str | None) -> Callable[[str], str]:
     """``content_digest`` with sidecars falling back to ``cache_dir`` (picklable)."""
     return functools.partial(content_digest, cache_dir=cache_dir)
+
+
+def remote_content_digest(remote: Remote, kind: str, cache_dir: str | None, url: str) -> str:
+    """The content digest of the JSONL object ``url``, from its cached line index (built if stale)."""
+    return LineIndex.open_remote(remote, url, kind, cache_dir).content_digest
+
+
+def _scan(
+    read_into: Callable[[memoryview], int | None],
+    path: str,
+    size: int,
+    position: int,
+    chunk: int,
+    content: xxhash.xxh3_64,
+    progress: Progress | None,
+    scanner: Scanner | None = None,
+) -> Scanner:
+    """Feed the data file's bytes from ``position`` to ``size`` to a ``Scanner`` (a new one
+    unless given) and to ``content``, ``chunk`` bytes per ``read_into`` into one reused buffer."""
+    buffer = bytearray(chunk)
+    view = memoryview(buffer)
+    array = np.frombuffer(buffer, dtype=np.uint8)
+    is_newline = np.empty(chunk, dtype=np.bool_)
+    scanner = Scanner(position) if scanner is None else scanner
+    reported = 0
+    while position < size:
+        n = read_into(view[: min(chunk, size - position)])
+        if not n:
+            raise SourceError(f"data file {path!r} shrank while being indexed")
+        scanner.feed(array[:n], is_newline, position)
+        content.update(view[:n])
+        position += n
+        if progress is not None:
+            progress(position - reported)
+            reported = position
+    if progress is not None and position > reported:
+        progress(position - reported)
+    return scanner
 
 
 def _check_regular(path: str, info: os.stat_result) -> None:

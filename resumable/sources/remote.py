@@ -18,11 +18,14 @@ from __future__ import annotations
 import fnmatch
 import glob
 import os
+from collections import OrderedDict
 from functools import partial
 from typing import Any, Callable, Mapping, Optional
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
+import xxhash
 
 from resumable.errors import ConfigError, SourceError
 from resumable.sources.files import URL_SCHEME, Digest, Paths, expand_paths, reading
@@ -33,7 +36,17 @@ hold ``endpoint_url`` and ``region_name``."""
 S3_CLIENT_OPTIONS = ("endpoint_url", "region_name")
 S3_RETRY_ATTEMPTS = 5
 """Attempts per request (pyarrow's ``AwsStandardS3RetryStrategy``: exponential backoff on
-connection errors, 5xx answers and throttling) before a read fails."""
+connection errors, 5xx answers and throttling) before a read fails: a request fails only after
+5 transient errors in a row, and an endpoint that always fails is a ``SourceError`` within
+about a second, not a hang."""
+EDGE_BYTES = 64 << 10
+"""Bytes at each end of an object hashed into its edge digest (``Remote.edge_digest``)."""
+BLOCK_BYTES = 1 << 20
+"""Default bytes per block of ``BlockReader``: records are read in aligned blocks of this size."""
+CACHE_BYTES = 32 << 20
+"""Default bytes of blocks a ``BlockReader`` keeps in memory (least recently used evicted)."""
+REQUEST_BLOCKS = 16
+"""Most consecutive missing blocks fetched by one ranged read."""
 EXTRA = "pip install 'resumable[s3]'"
 
 
@@ -54,6 +67,23 @@ class Remote:
         """A random-access file over the object ``name`` (ranged reads)."""
         with reading(f"{kind}: cannot open {name!r}"):
             return self.filesystem.open_input_file(object_path(name))
+
+    def open_stream(self, name: str, kind: str) -> pa.NativeFile:
+        """A sequential stream over the object ``name`` (the scan that builds a line index)."""
+        with reading(f"{kind}: cannot open {name!r}"):
+            return self.filesystem.open_input_stream(object_path(name))
+
+    def edge_digest(self, name: str, size: int, kind: str) -> str:
+        """XXH3-64 of the object's size and its first and last ``EDGE_BYTES`` (two ranged reads):
+        with size and mtime, the key of a cached line index, so a replaced object is noticed
+        even when the store's mtime (one second resolution on S3) and size did not change."""
+        digest = xxhash.xxh3_64(size.to_bytes(8, "little"))
+        with self.open(name, kind) as handle, reading(f"{kind}: cannot read {name!r}"):
+            digest.update(handle.read_at(min(size, EDGE_BYTES), 0))
+            if size > EDGE_BYTES:
+                tail = min(size - EDGE_BYTES, EDGE_BYTES)
+                digest.update(handle.read_at(tail, size - tail))
+        return f"{digest.intdigest():016x}"
 
     def digest(self, file_digest: Callable[[pa.NativeFile], Optional[str]], kind: str) -> Digest:
         """The ``Digest`` hook reading objects of this filesystem with ``file_digest``."""
@@ -96,6 +126,84 @@ class Remote:
                 raise SourceError(f"{kind}: no objects match {pattern!r}")
             names.extend(matches)
         return names
+
+
+class BlockReader:
+    """Byte ranges of one object read in aligned blocks of ``block_bytes`` through a bounded LRU
+    of blocks (``cache_bytes``): the ranges of a chunk of records cost one ranged read per run of
+    consecutive missing blocks (at most ``REQUEST_BLOCKS`` blocks each), never one per record,
+    and sequential reading fetches each block once. ``requests`` and ``bytes_fetched`` count
+    the reads. Pickles without its open file and blocks (DataLoader workers)."""
+
+    def __init__(self, remote: Remote, name: str, size: int, kind: str, block_bytes: int, cache_bytes: int) -> None:
+        self.remote = remote
+        self.name = name
+        self.size = size
+        self.kind = kind
+        self.block_bytes = block_bytes
+        self.cache_blocks = max(1, cache_bytes // block_bytes)
+        self.requests = 0
+        self.bytes_fetched = 0
+        self._file: pa.NativeFile | None = None
+        self._blocks: OrderedDict[int, bytes] = OrderedDict()
+
+    def ranges(self, starts: np.ndarray, ends: np.ndarray) -> list[bytes]:
+        """``object[starts[i]:ends[i]]`` for each ``i`` (non-empty ranges)."""
+        width = self.block_bytes
+        first = starts.astype(np.int64) // width
+        last = (ends.astype(np.int64) - 1) // width
+        wide = np.flatnonzero(last - first > 1)
+        inner = [np.arange(first[i] + 1, last[i]) for i in wide.tolist()]
+        needed = np.unique(np.concatenate([first, last, *inner]))
+        blocks = self._fetch(needed.tolist())
+        out: list[bytes] = []
+        for a, b, f, z in zip(starts.tolist(), ends.tolist(), first.tolist(), last.tolist()):
+            if f == z:
+                out.append(blocks[f][a - f * width : b - f * width])
+            else:
+                joined = b"".join(blocks[block] for block in range(f, z + 1))
+                out.append(joined[a - f * width : b - f * width])
+        return out
+
+    def _fetch(self, needed: list[int]) -> dict[int, bytes]:
+        """Blocks ``needed`` (sorted), reading the missing ones in runs of consecutive blocks."""
+        cached = self._blocks
+        found = {block: cached[block] for block in needed if block in cached}
+        for block in found:
+            cached.move_to_end(block)
+        missing = [block for block in needed if block not in found]
+        run_start = 0
+        for i in range(1, len(missing) + 1):
+            if i < len(missing) and missing[i] == missing[i - 1] + 1 and i - run_start < REQUEST_BLOCKS:
+                continue
+            found.update(self._read(missing[run_start], missing[i - 1] + 1))
+            run_start = i
+        return found
+
+    def _read(self, first: int, stop: int) -> dict[int, bytes]:
+        """Blocks ``first`` up to ``stop`` in one ranged read, added to the cache."""
+        width = self.block_bytes
+        offset = first * width
+        length = min(stop * width, self.size) - offset
+        with reading(f"{self.kind}: cannot read {self.name!r} at bytes {offset}-{offset + length}"):
+            if self._file is None:
+                self._file = self.remote.open(self.name, self.kind)
+            data = self._file.read_at(length, offset)
+        if len(data) != length:
+            raise SourceError(f"{self.kind}: {self.name!r} changed during the run (shorter than indexed)")
+        self.requests += 1
+        self.bytes_fetched += length
+        blocks = {block: data[(block - first) * width : (block - first + 1) * width] for block in range(first, stop)}
+        self._blocks.update(blocks)
+        while len(self._blocks) > self.cache_blocks:
+            self._blocks.popitem(last=False)
+        return blocks
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_file"] = None
+        state["_blocks"] = OrderedDict()
+        return state
 
 
 def _object_digest(

@@ -38,8 +38,6 @@ def bare_loop(path: str) -> int:
     return count
 
 
-
-
 def resume_latency(build: Callable[[], rs.Node], position: int) -> tuple[float, float]:
     """Seconds to build the pipeline, and to ``set_state`` at ``position`` plus the first record."""
     state = build().get_state()

@@ -76,8 +76,6 @@ def bare_loop(path: str) -> int:
     return count
 
 
-
-
 def resume_latency(build: Callable[[], Any], position: int) -> float:
     """Seconds for ``set_state`` + the first record on a freshly built pipeline (cold cache)."""
     reference = build()
@@ -106,8 +104,10 @@ def main() -> None:
     source = parquet(path)
     open_ms = (time.perf_counter() - start) * 1e3
     total = len(source)
-    print(f"corpus: {path}: {os.path.getsize(path) / 2**20:.0f} MiB, {total} rows, "
-          f"{source.num_row_groups} row groups of {args.row_group} rows; rs.parquet opens it in {open_ms:.1f} ms")
+    print(
+        f"corpus: {path}: {os.path.getsize(path) / 2**20:.0f} MiB, {total} rows, "
+        f"{source.num_row_groups} row groups of {args.row_group} rows; rs.parquet opens it in {open_ms:.1f} ms"
+    )
 
     def sequential() -> Any:
         return parquet(path)
@@ -130,8 +130,10 @@ def main() -> None:
     for name, (elapsed, count) in results.items():
         if count != total:
             raise SystemExit(f"{name}: read {count} records, expected {total}")
-        print(f"{name:<52} {count:>9} {elapsed:>8.3f} {count / elapsed:>11,.0f} "
-              f"{baseline / elapsed:>8.2f} {sequential_time / elapsed:>7.2f}")
+        print(
+            f"{name:<52} {count:>9} {elapsed:>8.3f} {count / elapsed:>11,.0f} "
+            f"{baseline / elapsed:>8.2f} {sequential_time / elapsed:>7.2f}"
+        )
 
     title = "resume latency (set_state + first record), best of 3"
     print(f"\n{title:<52} " + " ".join(f"{p:>8.0%}" for p in RESUME_POINTS))

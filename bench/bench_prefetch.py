@@ -90,13 +90,17 @@ def main() -> None:
     plain = run(lambda: rs.from_list(records).map(stage), work)
     fetched = run(lambda: rs.from_list(records).map(stage).prefetch(4), work)
     ratio = plain / fetched
-    print(f"prefetch:     plain {plain * 1000:8.1f} ms   .prefetch(4) {fetched * 1000:8.1f} ms   "
-          f"speed-up {ratio:4.2f}x (target >= {TARGET_PREFETCH}x)")
+    print(
+        f"prefetch:     plain {plain * 1000:8.1f} ms   .prefetch(4) {fetched * 1000:8.1f} ms   "
+        f"speed-up {ratio:4.2f}x (target >= {TARGET_PREFETCH}x)"
+    )
 
     serial = run(lambda: rs.from_list(records).map(stage), None)
     parallel = run(lambda: rs.from_list(records).map(stage, num_workers=args.workers), None)
-    print(f"parallel map: serial {serial * 1000:8.1f} ms   {args.workers} threads {parallel * 1000:8.1f} ms   "
-          f"speed-up {serial / parallel:4.2f}x")
+    print(
+        f"parallel map: serial {serial * 1000:8.1f} ms   {args.workers} threads {parallel * 1000:8.1f} ms   "
+        f"speed-up {serial / parallel:4.2f}x"
+    )
     if ratio < TARGET_PREFETCH:
         print(f"prefetch speed-up below target {TARGET_PREFETCH}x", file=sys.stderr)
         sys.exit(1)

@@ -104,9 +104,7 @@ def train(args: argparse.Namespace) -> int:
     pattern = make_corpus(Path(args.data))
     model = TinyLM(args.seq_len)
     optimiser = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    loader = rst.Loader(
-        lambda: build_pipeline(pattern, args.seq_len, args.batch_size), num_workers=args.num_workers
-    )
+    loader = rst.Loader(lambda: build_pipeline(pattern, args.seq_len, args.batch_size), num_workers=args.num_workers)
     checkpoint_path, log_path = run_dir / "checkpoint.pt", run_dir / "batches.log"
 
     step = 0

@@ -1,8 +1,8 @@
 """resumable: checkpointable data-loading pipelines for training large models.
 
-    import resumable as rs
-    pipe = rs.jsonl("data/*.jsonl").shuffle(seed=0).shard().map(tokenize).batch(8)
-    state = pipe.get_state()   # small JSON dict; pipe.set_state(state) continues exactly
+import resumable as rs
+pipe = rs.jsonl("data/*.jsonl").shuffle(seed=0).shard().map(tokenize).batch(8)
+state = pipe.get_state()   # small JSON dict; pipe.set_state(state) continues exactly
 """
 
 from resumable import nodes

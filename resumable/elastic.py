@@ -247,9 +247,14 @@ def _new_remaps(
     first = min(epochs)
     held = _held_remaps(shard, olds, epochs, path)
     sizes = shard_sizes(_space(shard, held.get(first)), len(olds)).tolist()
-    remap = _rescaled(held.get(first), first, shard, [
-        position if epoch == first else size for epoch, position, size in zip(epochs, cursors, sizes)
-    ], reading_orders, path)
+    remap = _rescaled(
+        held.get(first),
+        first,
+        shard,
+        [position if epoch == first else size for epoch, position, size in zip(epochs, cursors, sizes)],
+        reading_orders,
+        path,
+    )
     if max(epochs) == first and first + 1 not in held:
         return remap, None
     # The next epoch: what consumers that moved on read of it is left out, and a remap they

@@ -46,19 +46,14 @@ CHAINS: dict[str, Callable[[rs.Node, int, int], rs.Node]] = {
     ),
     # Two epochs: old consumers whose shards differ by one straddle the boundary between them.
     "repeat_filter_batch": lambda s, r, w: s.shuffle(7).shard(r, w).repeat(2).filter(keep).map(ids).batch(3),
-    "pack_repeat_best_fit": lambda s, r, w: s.shuffle(5)
-    .shard(r, w)
-    .repeat(2)
-    .filter(keep)
-    .pack(SEQ_LEN, buffer_size=4),
+    "pack_repeat_best_fit": lambda s, r, w: (
+        s.shuffle(5).shard(r, w).repeat(2).filter(keep).pack(SEQ_LEN, buffer_size=4)
+    ),
     # Whole-epoch plans: the rows each old consumer had not handed out are dealt out whole.
     "pack_bfd": lambda s, r, w: s.shuffle(7).shard(r, w).pack(SEQ_LEN, strategy="bfd"),
-    "pack_bfd_repeat_batch": lambda s, r, w: s.shuffle(5)
-    .shard(r, w)
-    .map(dict)
-    .pack(SEQ_LEN, strategy="bfd")
-    .repeat(2)
-    .batch(2),
+    "pack_bfd_repeat_batch": lambda s, r, w: (
+        s.shuffle(5).shard(r, w).map(dict).pack(SEQ_LEN, strategy="bfd").repeat(2).batch(2)
+    ),
 }
 
 
@@ -246,9 +241,7 @@ def test_wrong_old_states_are_state_errors() -> None:
     topologies=st.lists(st.tuples(st.integers(1, 4), st.integers(1, 3)), min_size=2, max_size=4),
     fraction=st.floats(0, 0.9),
 )
-def test_ranks_times_workers_resolved_from_the_environment(
-    topologies: list[tuple[int, int]], fraction: float
-) -> None:
+def test_ranks_times_workers_resolved_from_the_environment(topologies: list[tuple[int, int]], fraction: float) -> None:
     """``.shard()`` without arguments, as in a job: each simulated rank x worker builds its
     pipeline under a simulated topology, exactly as it would resolve it in a DataLoader worker."""
     from resumable.order.topology import Topology
@@ -426,9 +419,7 @@ def mixed_then_packed(consumer: int, consumers: int, kind: str = "list") -> rs.N
     then packed: rows hold documents of both, buffered by keys that name the component."""
     web = indexed_source(kind, documents(70)).shuffle(7).shard(consumer, consumers).filter(keep)
     code = rs.from_list(shifted(documents(45))).shard(consumer, consumers)
-    return rs.mix({"web": web, "code": code}, weights={"web": 2, "code": 1}, on_end="drop").pack(
-        SEQ_LEN, buffer_size=4
-    )
+    return rs.mix({"web": web, "code": code}, weights={"web": 2, "code": 1}, on_end="drop").pack(SEQ_LEN, buffer_size=4)
 
 
 def shifted(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -104,9 +104,7 @@ def test_take_is_exact_bijection(n: int) -> None:
     np.testing.assert_array_equal(np.sort(out), np.arange(n))
 
 
-@pytest.mark.parametrize(
-    ("n", "chunk"), [(0, 5), (1, 1), (1000, 1), (1000, 7), (200_003, 4096), (200_003, 1 << 16)]
-)
+@pytest.mark.parametrize(("n", "chunk"), [(0, 5), (1, 1), (1000, 1), (1000, 7), (200_003, 4096), (200_003, 1 << 16)])
 def test_permutation_chunks_matches_take(n: int, chunk: int) -> None:
     chunks = list(permutation_chunks(n, seed=9, epoch=2, chunk_size=chunk))
     assert all(c.dtype == np.int64 for c in chunks)
@@ -230,9 +228,7 @@ def test_single_lcg_fails_pair_chi_square_and_ours_passes(seed: int) -> None:
     epoch=st.integers(0, 2**40),
     data=st.data(),
 )
-def test_property_permutation_and_scalar_agreement(
-    n: int, seed: int, epoch: int, data: st.DataObject
-) -> None:
+def test_property_permutation_and_scalar_agreement(n: int, seed: int, epoch: int, data: st.DataObject) -> None:
     p = Permutation(n, seed, epoch)
     assert len(p) == n and p.n == n
     out = p.take(np.arange(n))

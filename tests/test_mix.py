@@ -281,12 +281,17 @@ PACK_AFTER_MIX: dict[str, Callable[[str], Node[Any]]] = {
         seed=5,
         on_end="restart",
     ).pack(32, buffer_size=6),
-    "greedy_stop_prefetch": lambda kind: mix(
-        {"web": indexed_source(kind, tokenized(10**6, 50)).shuffle(2), "code": rs.from_list(tokenized(3 * 10**6, 20))},
-        seed=1,
-    )
-    .prefetch(3)
-    .pack(24, strategy="greedy"),
+    "greedy_stop_prefetch": lambda kind: (
+        mix(
+            {
+                "web": indexed_source(kind, tokenized(10**6, 50)).shuffle(2),
+                "code": rs.from_list(tokenized(3 * 10**6, 20)),
+            },
+            seed=1,
+        )
+        .prefetch(3)
+        .pack(24, strategy="greedy")
+    ),
     "first_fit_nested_stream": lambda kind: mix(
         {
             "inner": mix(

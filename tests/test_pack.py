@@ -95,9 +95,7 @@ def check_row_format(
             assert np.array_equal(labels, expected_labels)
 
 
-LENGTHS = st.lists(
-    st.one_of(st.sampled_from([0, 1, 7, 8, 9, 24, 26]), st.integers(0, 30)), max_size=25
-)
+LENGTHS = st.lists(st.one_of(st.sampled_from([0, 1, 7, 8, 9, 24, 26]), st.integers(0, 30)), max_size=25)
 
 
 @given(

@@ -318,4 +318,3 @@ def test_get_state_is_json_and_repeatable() -> None:
     assert pipe.get_state() == first
     assert first["kind"] == "Prefetch" and first["upstream"]["position"] == 3
     pipe.close()
-

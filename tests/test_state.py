@@ -14,11 +14,7 @@ from resumable.core.state import STATE_VERSION
 
 def pipeline(seed: int = 1, batch_size: int = 4) -> rs.Node:
     return (
-        rs.from_list(list(range(50)))
-        .shuffle(seed)
-        .map(lambda x: x + 1)
-        .filter(lambda x: x % 2 == 0)
-        .batch(batch_size)
+        rs.from_list(list(range(50))).shuffle(seed).map(lambda x: x + 1).filter(lambda x: x % 2 == 0).batch(batch_size)
     )
 
 

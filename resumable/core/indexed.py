@@ -225,9 +225,7 @@ class IndexedNode(Node[T]):
 
         return BlockShuffle(self, seed, block_size=block_size, window=window)
 
-    def shard(
-        self, rank: int | None = None, world_size: int | None = None, split_workers: bool = True
-    ) -> Shard[T]:
+    def shard(self, rank: int | None = None, world_size: int | None = None, split_workers: bool = True) -> Shard[T]:
         """Keep this consumer's stride of positions (rank, and DataLoader worker if any)."""
         from resumable.order.shard import Shard
 
@@ -359,9 +357,7 @@ class IndexedNode(Node[T]):
         self._enter_epoch(epoch)
         length = require_count(state, LENGTH, path)
         if length != self._length(epoch):
-            raise StateError(
-                f"{path}: state was saved over {length} records, this pipeline has {self._length(epoch)}"
-            )
+            raise StateError(f"{path}: state was saved over {length} records, this pipeline has {self._length(epoch)}")
         position = require_count(state, POSITION, path, upper=length)
         self._check_cursor(epoch, position, path)
         self._epoch = epoch

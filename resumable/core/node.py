@@ -399,9 +399,7 @@ class Node(Generic[T]):
         """Global shuffle; needs random access (place it before filter, batch or pack)."""
         raise ConfigError(f"{self.kind}: shuffle() needs random access; place it before filter, batch and pack")
 
-    def shard(
-        self, rank: int | None = None, world_size: int | None = None, split_workers: bool = True
-    ) -> Shard[T]:
+    def shard(self, rank: int | None = None, world_size: int | None = None, split_workers: bool = True) -> Shard[T]:
         """Partition across ranks; needs random access (place it before filter, batch or pack)."""
         raise ConfigError(f"{self.kind}: shard() needs random access; place it before filter, batch and pack")
 

@@ -100,9 +100,7 @@ def check_header(state: Any, kind: str, path: str) -> None:
         raise StateError(f"{path}: state was saved by a {saved_kind!r} node, this node is {kind!r}")
     saved_version = state.get(VERSION)
     if saved_version != STATE_VERSION:
-        raise StateError(
-            f"{path}: state format version {saved_version!r}, this library reads version {STATE_VERSION}"
-        )
+        raise StateError(f"{path}: state format version {saved_version!r}, this library reads version {STATE_VERSION}")
 
 
 def require_adjacent_epochs(states: Sequence[Mapping[str, Any]], key: str, path: str) -> list[int]:

@@ -123,9 +123,7 @@ class Mix(Node[T]):
             if not isinstance(name, str) or not name:
                 raise ConfigError(f"{kind}: component names must be non-empty strings, got {name!r}")
             if not isinstance(node, Node):
-                raise ConfigError(
-                    f"{kind}[{name}]: a component must be a resumable node, got {type(node).__name__}"
-                )
+                raise ConfigError(f"{kind}[{name}]: a component must be a resumable node, got {type(node).__name__}")
             if id(node) in seen:
                 raise ConfigError(f"{kind}[{name}]: the same node object is given twice; build one per component")
             seen.add(id(node))
@@ -333,8 +331,7 @@ class Mix(Node[T]):
                 "known only by running the schedule; use on_end='drop' for a known length"
             )
         return sum(
-            len(self.components[name]) if weight > 0 else self._counts[name]
-            for name, weight in self._weights.items()
+            len(self.components[name]) if weight > 0 else self._counts[name] for name, weight in self._weights.items()
         )
 
     # -- provenance ------------------------------------------------------------------------------

@@ -95,9 +95,7 @@ class Repeat(Node[T]):
             raise StateError(f"{path}: old consumers are more than one epoch apart ({EPOCHS_DONE} {sorted(set(done))})")
         state[EPOCHS_DONE] = min(done)
         # The epoch being continued gave items if any old consumer had any, or moved past it.
-        state[YIELDED] = any(
-            require(old, YIELDED, bool, path) or epochs > min(done) for old, epochs in zip(olds, done)
-        )
+        state[YIELDED] = any(require(old, YIELDED, bool, path) or epochs > min(done) for old, epochs in zip(olds, done))
         return state
 
 

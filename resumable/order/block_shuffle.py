@@ -243,6 +243,5 @@ class BlockShuffle(IndexedNode[T]):
         upstream_positions = self.layout(epoch).take(positions, self.seed, epoch)
         return self._parent._leaf_indices(upstream_positions, epoch)
 
-
     def _config(self) -> dict[str, Any]:
         return {SEED: self.seed, BLOCK_SIZE: self.block_size, WINDOW: self.window}

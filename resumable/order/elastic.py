@@ -270,8 +270,9 @@ def rescale(
     (the newest space of ``remap``, or the epoch's positions when ``remap`` is None), having
     read their strides through ``reading_orders`` (shuffles after the shard, top first)."""
     if remap is not None and (remap.epoch != epoch or remap.length != space_length):
-        raise StateError(f"remap of epoch {remap.epoch} over {remap.length} positions does not fit "
-                         f"epoch {epoch} over {space_length}")
+        raise StateError(
+            f"remap of epoch {remap.epoch} over {remap.length} positions does not fit epoch {epoch} over {space_length}"
+        )
     cursor_array = np.asarray(cursors, dtype=np.int64)
     sizes = shard_sizes(space_length, len(cursor_array))
     bad = np.flatnonzero((cursor_array < 0) | (cursor_array > sizes))

@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 
 import resumable as rs
 from resumable.torch import Loader, PerRank
-from tests.processes import free_port
+from tests.processes import free_port, run_ranks
 
 DOCUMENTS = 211
 EPOCHS = 2
@@ -69,12 +69,7 @@ def rank_main(rank: int, world_size: int, port: int, phase: str, out: str, num_w
 
 def run_group(world_size: int, phase: str, out: Path, num_workers: int, stop_after: int) -> list[dict[str, Any]]:
     """Start a fresh process group; every process exits before this returns."""
-    mp.start_processes(
-        rank_main,
-        args=(world_size, free_port(), phase, str(out), num_workers, stop_after),
-        nprocs=world_size,
-        start_method="spawn",
-    )
+    run_ranks(rank_main, world_size, (world_size, free_port(), phase, str(out), num_workers, stop_after))
     return [json.loads((out / f"{phase}{r}.json").read_text()) for r in range(world_size)]
 
 

@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 
 import resumable as rs
 from resumable.torch import Loader, PerRank, load_all_ranks
-from tests.processes import free_port
+from tests.processes import free_port, run_ranks
 
 DOCUMENTS = 160
 SEQ_LEN = 16
@@ -75,9 +75,7 @@ def test_rescaled_three_times_within_an_epoch_delivers_every_token_once(tmp_path
     seen: Counter[int] = Counter()
     for phase, (ranks, _, _, _) in enumerate(PHASES):
         (tmp_path / f"phase{phase}").mkdir()
-        mp.start_processes(
-            rank_main, args=(ranks, free_port(), str(tmp_path), phase), nprocs=ranks, start_method="spawn"
-        )
+        run_ranks(rank_main, ranks, (ranks, free_port(), str(tmp_path), phase))
         for rank in range(ranks):
             seen.update(json.loads((tmp_path / f"phase{phase}" / f"tokens{rank}.json").read_text()))
     expected = Counter(t for d in documents() if keep(d) for t in d["input_ids"])

@@ -11,6 +11,7 @@ from typing import Any, Iterator
 import pytest
 
 import resumable as rs
+from resumable.sources import remote
 from tests.s3proxy import FaultProxy
 from tests.s3server import S3Server
 from tests.sources import _file
@@ -57,8 +58,14 @@ def test_faults_are_retried_and_nothing_is_lost_or_repeated(
 
 @pytest.mark.parametrize("proxy", [1.0], indirect=True)
 def test_an_endpoint_that_always_fails_is_a_source_error_naming_the_url(
-    s3_server: S3Server, urls: dict[str, tuple[str, str]], proxy: FaultProxy, tmp_path: Path
+    s3_server: S3Server,
+    urls: dict[str, tuple[str, str]],
+    proxy: FaultProxy,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # Two attempts show the retry as well as five, without five rounds of pyarrow's backoff.
+    monkeypatch.setattr(remote, "S3_RETRY_ATTEMPTS", 2)
     _, url = urls["jsonl"]  # every kind reaches its objects through Remote: one kind suffices
     kind = "jsonl"
     with pytest.raises(rs.SourceError) as raised:

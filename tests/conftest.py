@@ -21,3 +21,16 @@ def s3_server() -> Iterator[Any]:
     server = s3server.S3Server()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cache_dir_of_the_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Line indices of remote objects and the chunk cache go to a directory of this test session,
+    not to ~/.cache/resumable: runs do not see each other's cached blocks."""
+    saved = os.environ.get("RESUMABLE_CACHE_DIR")
+    os.environ["RESUMABLE_CACHE_DIR"] = str(tmp_path_factory.mktemp("resumable-cache"))
+    yield
+    if saved is None:
+        del os.environ["RESUMABLE_CACHE_DIR"]
+    else:
+        os.environ["RESUMABLE_CACHE_DIR"] = saved

@@ -11,7 +11,7 @@ from typing import Any, Iterator
 import pytest
 
 import resumable as rs
-from resumable.sources import remote
+from resumable.sources import blocks, remote
 from tests.s3proxy import FaultProxy
 from tests.s3server import S3Server
 from tests.sources import _file
@@ -39,21 +39,27 @@ def proxy(s3_server: S3Server, request: pytest.FixtureRequest) -> Iterator[Fault
 
 
 def source(kind: str, url: str, options: dict[str, Any] | None, cache_dir: Path) -> rs.Node[Any]:
-    if kind == "jsonl":  # small blocks: many ranged reads
-        return rs.jsonl(url, storage_options=options, cache_dir=str(cache_dir), block_bytes=1024, cache_bytes=4096)
-    read = rs.parquet if kind == "parquet" else rs.arrow
-    return read(url, storage_options=options)
+    """A source over ``url`` with small blocks (many ranged reads) and a cold chunk cache."""
+    read = {"jsonl": rs.jsonl, "parquet": rs.parquet, "arrow": rs.arrow}[kind]
+    return read(url, storage_options=options, cache_dir=str(cache_dir), block_bytes=1024, cache_bytes=4096)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_faults_are_retried_and_nothing_is_lost_or_repeated(
-    s3_server: S3Server, urls: dict[str, tuple[str, str]], proxy: FaultProxy, kind: str, tmp_path: Path
+    s3_server: S3Server,
+    urls: dict[str, tuple[str, str]],
+    proxy: FaultProxy,
+    kind: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setattr(blocks, "REQUEST_BLOCKS", 1)  # one request per 1 kB block: many chances to fail
     _, url = urls[kind]
     options = proxy.options(s3_server.options)
     pipe = source(kind, url, options, tmp_path)  # the JSONL index too is built through the proxy
     assert list(pipe) == RECORDS
     assert proxy.faults > 0 and proxy.requests > proxy.faults
+    assert pipe.stats["retries"] > 0  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("proxy", [1.0], indirect=True)
@@ -64,8 +70,8 @@ def test_an_endpoint_that_always_fails_is_a_source_error_naming_the_url(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # Two attempts show the retry as well as five, without five rounds of pyarrow's backoff.
-    monkeypatch.setattr(remote, "S3_RETRY_ATTEMPTS", 2)
+    # Two attempts show the retry as well as six, without six rounds of backoff.
+    monkeypatch.setattr(remote, "RETRY_ATTEMPTS", 2)
     _, url = urls["jsonl"]  # every kind reaches its objects through Remote: one kind suffices
     kind = "jsonl"
     with pytest.raises(rs.SourceError) as raised:

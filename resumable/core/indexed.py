@@ -115,6 +115,14 @@ class IndexedNode(Node[T]):
         positions = np.arange(start, start + count, dtype=np.int64)
         return self.leaf._raw_at(self._leaf_indices(positions, epoch))
 
+    def _reads_ahead(self) -> bool:
+        """Whether this leaf gains from ``_read_ahead`` (a remote source); the cursor computes
+        the leaf indices of its next chunk only for one that does."""
+        return False
+
+    def _read_ahead(self, indices: np.ndarray) -> None:
+        """Leaf hook: the leaf records at ``indices`` will be read next; start fetching them."""
+
     def _record_fns(self) -> tuple[Callable[[Any], Any], ...]:
         """Per-record functions (maps) applied after decoding, from the leaf up to here."""
         if self.upstream is None:
@@ -304,6 +312,10 @@ class IndexedNode(Node[T]):
         chunk = self._raw_chunk(start, min(self._chunk_size, total - start), self._epoch)
         self._chunk, self._chunk_start = chunk, start
         self._chunk_size = min(self._chunk_size * 2, MAX_CHUNK)
+        following = start + len(chunk)
+        if following < total and self.leaf._reads_ahead():  # the next chunk is known: fetch it now
+            positions = np.arange(following, min(following + self._chunk_size, total), dtype=np.int64)
+            self.leaf._read_ahead(self._leaf_indices(positions, self._epoch))
         self._pending = iter(chunk)
         records: Iterator[Any] = self._pending
         if self._decode is not None:

@@ -21,6 +21,14 @@ class Leaf(Protocol):
         """The function turning a raw record into a record; None when raw records are final."""
         ...
 
+    def _reads_ahead(self) -> bool:
+        """Whether ``_read_ahead`` does anything (a remote source)."""
+        ...
+
+    def _read_ahead(self, indices: np.ndarray) -> None:
+        """The records at ``indices`` will be read next: start fetching them."""
+        ...
+
     @property
     def skips_malformed(self) -> bool:
         """Whether iteration skips records the decoder rejects."""

@@ -25,10 +25,19 @@ import pyarrow as pa
 import xxhash
 
 from resumable.errors import ConfigError, SourceError, StateError
+from resumable.sources.blocks import (
+    BLOCK_BYTES,
+    CACHE_BYTES,
+    DISK_CACHE_BYTES,
+    BlockOptions,
+    BlockReader,
+    Blocks,
+    fetch_pool,
+)
 from resumable.sources.files import NAME, Paths, WatchedFiles, reading
 from resumable.sources.parquet import group_take
-from resumable.sources.remote import Remote, resolve
-from resumable.sources.source import FileSource
+from resumable.sources.remote import FRESH_SECONDS, resolve
+from resumable.sources.source import FileSource, PathSource
 
 FINGERPRINT = "fingerprint"
 """State key of a Hugging Face dataset's ``_fingerprint`` (changes with every transform)."""
@@ -61,22 +70,26 @@ def file_ipc_digest(source: pa.NativeFile) -> str:
     return f"arrow-ipc-metadata-xxh3_64:{hasher.hexdigest()}"
 
 
-def _read_batches(path: str, kind: str, remote: Remote | None) -> list[pa.RecordBatch]:
+def _read_batches(path: str, kind: str, reader: BlockReader | None) -> list[pa.RecordBatch]:
     """Record batches of an Arrow IPC file (file or streaming format): memory-mapped for a
-    local file, read into memory by one request for a remote object."""
-    if remote is not None:
-        with remote.open(path, kind) as handle, reading(f"{kind}: cannot read {path!r}"):
-            source = pa.BufferReader(handle.read_buffer())
+    local file, read whole into memory (through the block caches) for a remote object."""
+    if reader is not None:
+        source = pa.BufferReader(_object_buffer(reader))
     else:
         with reading(f"{kind}: cannot open {path!r}"):
             source = pa.memory_map(path, "r")
     with reading(f"{kind}: {path!r} is neither an Arrow IPC file nor an Arrow IPC stream"):
         try:
-            reader = pa.ipc.open_file(source)
+            reader_ = pa.ipc.open_file(source)
         except pa.ArrowInvalid:
             source.seek(0)
             return list(pa.ipc.open_stream(source))
-        return [reader.get_batch(i) for i in range(reader.num_record_batches)]
+        return [reader_.get_batch(i) for i in range(reader_.num_record_batches)]
+
+
+def _object_buffer(reader: BlockReader) -> pa.Buffer:
+    """The whole remote object, in blocks through the memory and disk caches."""
+    return pa.py_buffer(reader.read(0, reader.size))
 
 
 def _offsets(counts: Sequence[int]) -> np.ndarray:
@@ -103,11 +116,12 @@ def _mapped_files(data: Any, batch_starts: np.ndarray, watched: dict[str, int]) 
     return [sorted({f for row in range(a, b + 1) for f in files[row]}) for a, b in zip(first.tolist(), last.tolist())]
 
 
-class ArrowSource(FileSource[dict[str, Any]]):
+class ArrowSource(PathSource[dict[str, Any]]):
     """Rows (as dicts) of one or more Arrow IPC files, in file order then row order.
 
     Both IPC formats are read through memory maps; remote objects (which cannot be mapped) are
-    read whole into memory by one request, once per process. Missing files, globs that match nothing,
+    read whole into memory once per process, in blocks through the disk cache shared by the
+    machine's processes. Missing files, globs that match nothing,
     files that are not Arrow IPC and a total of zero rows raise ``SourceError`` at
     construction. The state holds each file's name, size, mtime and IPC metadata digest:
     resuming over changed files is a ``StateError``. Pickles without memory maps (reopened
@@ -116,16 +130,39 @@ class ArrowSource(FileSource[dict[str, Any]]):
 
     kind = "ArrowSource"
 
-    def __init__(self, paths: Paths, storage_options: Mapping[str, Any] | None = None, filesystem: Any = None) -> None:
+    def __init__(
+        self,
+        paths: Paths,
+        storage_options: Mapping[str, Any] | None = None,
+        filesystem: Any = None,
+        cache_dir: str | None = None,
+        block_bytes: int = BLOCK_BYTES,
+        cache_bytes: int = CACHE_BYTES,
+        disk_cache_bytes: int = DISK_CACHE_BYTES,
+    ) -> None:
         super().__init__()
+        options = BlockOptions.checked(self.kind, block_bytes, cache_bytes, disk_cache_bytes, cache_dir)
         self.paths, self._remote = resolve(paths, self.kind, storage_options, filesystem)
         remote = self._remote
-        per_file = [_read_batches(path, self.kind, remote) for path in self.paths]
-        self._files = (
-            WatchedFiles.of(self.kind, self.paths, ipc_digest)
-            if remote is None
-            else WatchedFiles.of(self.kind, self.paths, remote.digest(object_ipc_digest, self.kind), remote.stat)
-        )
+        self._blocks = Blocks(options)
+        self._readers: list[BlockReader | None] = [None] * len(self.paths)
+        if remote is None:
+            per_file = [_read_batches(path, self.kind, None) for path in self.paths]
+            self._files = WatchedFiles.of(self.kind, self.paths, ipc_digest)
+        else:
+            # One request per object (in parallel) for its size, ETag and an open file, then
+            # the object read whole once: batches and IPC digest come from the same bytes.
+            heads = list(fetch_pool().map(lambda path: remote.head(path, self.kind), self.paths))
+            fingerprints = []
+            per_file = []
+            for file, (path, (info, handle)) in enumerate(zip(self.paths, heads)):
+                reader = self._readers[file] = self._blocks.reader(remote, path, info, self.kind, handle)
+                with reading(f"{self.kind}: {path!r} is neither an Arrow IPC file nor an Arrow IPC stream"):
+                    digest = file_ipc_digest(pa.BufferReader(_object_buffer(reader)))
+                fingerprints.append([path, info.size, info.mtime_ns, digest])
+                per_file.append(_read_batches(path, self.kind, reader))
+            digest_hook = remote.digest(object_ipc_digest, self.kind)
+            self._files = WatchedFiles(self.kind, fingerprints, digest_hook, remote.stat, fresh_for=FRESH_SECONDS)
         self._batch_file = [file for file, batches in enumerate(per_file) for _ in batches]
         self._batch_local = [local for batches in per_file for local in range(len(batches))]
         batches = [batch for batches in per_file for batch in batches]
@@ -157,7 +194,9 @@ class ArrowSource(FileSource[dict[str, Any]]):
         if batches is None:  # reopened after pickling into a DataLoader worker
             self._files.check_all()
             batches = self._batches = [
-                batch for path in self.paths for batch in _read_batches(path, self.kind, self._remote)
+                batch
+                for file, path in enumerate(self.paths)
+                for batch in _read_batches(path, self.kind, self._reader(file))
             ]
         batch = batches[index]
         if not self._valid[index]:  # memory-mapped batches are not validated on reading
@@ -165,6 +204,19 @@ class ArrowSource(FileSource[dict[str, Any]]):
                 batch.validate(full=True)  # offsets within bounds, valid UTF-8: what to_pylist trusts
             self._valid[index] = True
         return batch
+
+    def _reader(self, file: int) -> BlockReader | None:
+        """The block reader of remote file ``file`` (made again in a DataLoader worker); None
+        for a local file."""
+        remote = self._remote
+        if remote is None:
+            return None
+        reader = self._readers[file]
+        if reader is None:
+            info, handle = remote.head(self.paths[file], self.kind)
+            self._files.confirm(file, info.size, info.mtime_ns, lambda: None)
+            reader = self._readers[file] = self._blocks.reader(remote, self.paths[file], info, self.kind, handle)
+        return reader
 
     def _raw_range(self, start: int, count: int) -> Sequence[dict[str, Any]]:
         index = int(np.searchsorted(self._batch_starts, start, side="right")) - 1
@@ -179,6 +231,7 @@ class ArrowSource(FileSource[dict[str, Any]]):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_batches"] = None
+        state["_readers"] = [None] * len(self.paths)
         state["_valid"] = [False] * len(self._valid)
         return state
 
@@ -313,11 +366,28 @@ class HfSource(FileSource[dict[str, Any]]):
         return state
 
 
-def arrow(paths: Paths, storage_options: Mapping[str, Any] | None = None, filesystem: Any = None) -> ArrowSource:
+def arrow(
+    paths: Paths,
+    storage_options: Mapping[str, Any] | None = None,
+    filesystem: Any = None,
+    cache_dir: str | None = None,
+    block_bytes: int = BLOCK_BYTES,
+    cache_bytes: int = CACHE_BYTES,
+    disk_cache_bytes: int = DISK_CACHE_BYTES,
+) -> ArrowSource:
     """A source over Arrow IPC files (file or streaming format): a path, a glob, or a list of
     them (globs sorted), local or remote (``s3://`` URLs with ``storage_options``, or paths on a
-    ``pyarrow.fs`` ``filesystem``; see ``resumable.sources.remote``). Records are dicts."""
-    return ArrowSource(paths, storage_options=storage_options, filesystem=filesystem)
+    ``pyarrow.fs`` ``filesystem``; see ``resumable.sources.remote``; read whole, once per process,
+    through the ``disk_cache_bytes`` disk cache in ``cache_dir``). Records are dicts."""
+    return ArrowSource(
+        paths,
+        storage_options=storage_options,
+        filesystem=filesystem,
+        cache_dir=cache_dir,
+        block_bytes=block_bytes,
+        cache_bytes=cache_bytes,
+        disk_cache_bytes=disk_cache_bytes,
+    )
 
 
 def from_hf(dataset: Any) -> HfSource:

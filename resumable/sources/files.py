@@ -141,19 +141,31 @@ class WatchedFiles:
     """
 
     def __init__(
-        self, kind: str, fingerprints: list[Fingerprint], digest: Digest, size_mtime: Stat = local_stat
+        self,
+        kind: str,
+        fingerprints: list[Fingerprint],
+        digest: Digest,
+        size_mtime: Stat = local_stat,
+        fresh_for: float = 0.0,
     ) -> None:
         self.kind = kind
         self.fingerprints = fingerprints
         self._digest = digest
         self._stat = size_mtime
+        self._fresh_for = fresh_for
+        """Seconds during which a file checked (or fingerprinted) is not checked again: 0 for
+        local files (a ``stat`` is cheap), more for remote objects (a request each)."""
+        self._checked = [time.monotonic()] * len(fingerprints)
         self._next_watched = 0
         self._last_watch = -math.inf
 
     @classmethod
-    def of(cls, kind: str, paths: Sequence[str], digest: Digest, size_mtime: Stat = local_stat) -> WatchedFiles:
+    def of(
+        cls, kind: str, paths: Sequence[str], digest: Digest, size_mtime: Stat = local_stat, fresh_for: float = 0.0
+    ) -> WatchedFiles:
         """Fingerprint ``paths`` now (local files, or through ``size_mtime`` and ``digest``)."""
-        return cls(kind, [fingerprint(path, digest, kind, size_mtime) for path in paths], digest, size_mtime)
+        fingerprints = [fingerprint(path, digest, kind, size_mtime) for path in paths]
+        return cls(kind, fingerprints, digest, size_mtime, fresh_for)
 
     def size(self, file: int) -> int:
         """The size of file ``file`` when the pipeline was built."""
@@ -178,12 +190,17 @@ class WatchedFiles:
             self.check(file)
 
     def check(self, file: int) -> None:
-        """Raise ``SourceError`` if file ``file`` changed since the pipeline was built."""
+        """Raise ``SourceError`` if file ``file`` changed since the pipeline was built (unless it
+        was checked less than ``fresh_for`` seconds ago)."""
+        now = time.monotonic()
+        if self._fresh_for and now - self._checked[file] < self._fresh_for:
+            return
         recorded = self.fingerprints[file]
         path = recorded[NAME]
         size, mtime_ns = self._stat(path, self.kind)
         if size != recorded[SIZE] or mtime_ns != recorded[MTIME_NS]:
             self.confirm(file, size, mtime_ns, lambda: self._digest(path))
+        self._checked[file] = now
 
     def confirm(self, file: int, size: int, mtime_ns: int, digest: Callable[[], str | None]) -> None:
         """Raise ``SourceError`` unless ``size``, ``mtime_ns`` (and, when only the mtime differs,

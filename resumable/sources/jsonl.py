@@ -6,7 +6,8 @@ straight to the record's byte offset, at the same cost anywhere in a 100 GB file
 
 Objects in object storage (``s3://`` URLs, or paths on a ``pyarrow.fs`` filesystem) are indexed
 by one streamed scan into the cache dir (``LineIndex.open_remote``) and read by ranged reads in
-aligned blocks through a bounded in-memory cache (``resumable.sources.remote.BlockReader``).
+aligned blocks through a memory and a disk cache, the cursor's next chunk read ahead
+(``resumable.sources.blocks``).
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ import numpy as np
 import orjson
 
 from resumable.errors import ConfigError, SourceError
+from resumable.sources.blocks import BLOCK_BYTES as REMOTE_BLOCK_BYTES
+from resumable.sources.blocks import CACHE_BYTES, DISK_CACHE_BYTES, BlockOptions, BlockReader, Blocks, fetch_pool
 from resumable.sources.files import Paths, WatchedFiles, reading
-from resumable.sources.line_index import LineIndex, content_digest_in, remote_content_digest
-from resumable.sources.remote import BLOCK_BYTES as REMOTE_BLOCK_BYTES
-from resumable.sources.remote import CACHE_BYTES, BlockReader, Remote, resolve
-from resumable.sources.source import FileSource
+from resumable.sources.line_index import Head, LineIndex, content_digest_in, remote_content_digest
+from resumable.sources.remote import FRESH_SECONDS, Remote, resolve
+from resumable.sources.source import PathSource
 
 logger = logging.getLogger("resumable")
 
@@ -38,7 +40,7 @@ LOGGED_SKIPS = 10
 BLOCK_BYTES = 4 << 20
 
 
-class JsonlSource(FileSource[Any]):
+class JsonlSource(PathSource[Any]):
     """Records (one JSON value per non-blank line) of one or more JSONL files.
 
     Blank lines are not records. A malformed line raises ``SourceError`` naming the file and
@@ -47,8 +49,10 @@ class JsonlSource(FileSource[Any]):
     changed files is a ``StateError``, a file changed during the run a ``SourceError``.
 
     Remote objects (``storage_options``/``filesystem``, see ``resumable.sources.remote``) are read
-    in aligned blocks of ``block_bytes`` through an LRU of ``cache_bytes`` per file and process;
-    ``stats`` then counts the ranged reads (``requests``) and ``bytes_fetched``.
+    in aligned blocks of ``block_bytes`` through a memory LRU of ``cache_bytes`` (per source and
+    process) and a disk cache of ``disk_cache_bytes`` in ``cache_dir`` shared by the machine's
+    processes (0: none), the blocks of the cursor's next chunk fetched ahead; ``stats`` then
+    counts the ranged reads, bytes fetched, disk hits and retries (``resumable.sources.blocks``).
     """
 
     kind = "JsonlSource"
@@ -62,29 +66,32 @@ class JsonlSource(FileSource[Any]):
         filesystem: Any = None,
         block_bytes: int = REMOTE_BLOCK_BYTES,
         cache_bytes: int = CACHE_BYTES,
+        disk_cache_bytes: int = DISK_CACHE_BYTES,
     ) -> None:
         super().__init__()
         if on_error not in ON_ERROR_CHOICES:
             raise ConfigError(f"{self.kind}: on_error must be one of {ON_ERROR_CHOICES}, got {on_error!r}")
-        for name, value in (("block_bytes", block_bytes), ("cache_bytes", cache_bytes)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{self.kind}: {name} must be a positive int, got {value!r}")
-        if cache_bytes < block_bytes:
-            raise ConfigError(f"{self.kind}: cache_bytes ({cache_bytes}) must hold a block ({block_bytes} bytes)")
+        options = BlockOptions.checked(self.kind, block_bytes, cache_bytes, disk_cache_bytes, cache_dir)
         self.paths, self._remote = resolve(paths, self.kind, storage_options, filesystem)
         self.on_error = on_error
         self.cache_dir = cache_dir
-        self.block_bytes = block_bytes
-        self.cache_bytes = cache_bytes
-        indices = [self._open_index(p) for p in self.paths]
+        self._blocks = Blocks(options)
+        remote = self._remote
+        # Remote objects: one request each (in parallel) for size, ETag and an open file, which
+        # key the cached index and serve the first reads.
+        self._heads: list[Head | None] = (
+            [None] * len(self.paths)
+            if remote is None
+            else list(fetch_pool().map(lambda path: remote.head(path, self.kind), self.paths))
+        )
+        indices = [self._open_index(file) for file in range(len(self.paths))]
         self._indices: list[LineIndex | None] = list(indices)
         fingerprints = [[p, index.size, index.mtime_ns, index.content_digest] for p, index in zip(self.paths, indices)]
-        remote = self._remote
         if remote is None:
             self._files = WatchedFiles(self.kind, fingerprints, content_digest_in(cache_dir))
         else:
             digest = partial(remote_content_digest, remote, self.kind, cache_dir)
-            self._files = WatchedFiles(self.kind, fingerprints, digest, remote.stat)
+            self._files = WatchedFiles(self.kind, fingerprints, digest, remote.stat, fresh_for=FRESH_SECONDS)
         self._readers: list[BlockReader | None] = [None] * len(self.paths)
         counts = [index.num_records for index in self._live_indices()]
         self._offsets = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
@@ -103,19 +110,8 @@ class JsonlSource(FileSource[Any]):
 
     @property
     def stats(self) -> dict[str, int]:
-        """Records and files indexed, blank lines ignored, malformed records skipped so far; for
-        remote objects also the ranged reads and bytes fetched by this process."""
-        stats = {
-            "records": self._total,
-            "files": len(self.paths),
-            "blank_lines": self._blank_lines,
-            "skipped": self.skipped,
-        }
-        if self._remote is not None:
-            readers = [reader for reader in self._readers if reader is not None]
-            stats["requests"] = sum(reader.requests for reader in readers)
-            stats["bytes_fetched"] = sum(reader.bytes_fetched for reader in readers)
-        return stats
+        """``FileSource.stats``, and blank lines ignored and malformed records skipped so far."""
+        return {**super().stats, "blank_lines": self._blank_lines, "skipped": self.skipped}
 
     # -- state --------------------------------------------------------------------------------
 
@@ -128,15 +124,26 @@ class JsonlSource(FileSource[Any]):
 
     # -- reading ------------------------------------------------------------------------------
 
-    def _open_index(self, path: str) -> LineIndex:
+    def _open_index(self, file: int) -> LineIndex:
+        path = self.paths[file]
         if self._remote is None:
             return LineIndex.open(path, cache_dir=self.cache_dir)
-        return LineIndex.open_remote(self._remote, path, self.kind, self.cache_dir)
+        return LineIndex.open_remote(self._remote, path, self.kind, self.cache_dir, self._head(file))
+
+    def _head(self, file: int) -> Head:
+        """Size, version and an open file of remote object ``file`` (one request, made again
+        after pickling into a DataLoader worker)."""
+        head = self._heads[file]
+        if head is None:
+            if self._remote is None:
+                raise ConfigError(f"{self.kind}: {self.paths[file]!r} is a local file")
+            head = self._heads[file] = self._remote.head(self.paths[file], self.kind)
+        return head
 
     def _index(self, file: int) -> LineIndex:
         index = self._indices[file]
         if index is None:  # reopened after pickling into a DataLoader worker
-            opened = self._open_index(self.paths[file])
+            opened = self._open_index(file)
             self._files.confirm(file, opened.size, opened.mtime_ns, lambda: opened.content_digest)
             index = self._indices[file] = opened
         return index
@@ -153,15 +160,27 @@ class JsonlSource(FileSource[Any]):
         return mapped
 
     def _reader(self, file: int, remote: Remote) -> BlockReader:
-        """The block reader of remote file ``file``, made (after checking that the object is
-        unchanged) on first use."""
+        """The block reader of remote file ``file``, made on first use over the object the index
+        was opened on (checked unchanged)."""
         reader = self._readers[file]
         if reader is None:
-            self._files.check(file)
-            size = self._files.size(file)
-            reader = BlockReader(remote, self.paths[file], size, self.kind, self.block_bytes, self.cache_bytes)
-            self._readers[file] = reader
+            self._index(file)
+            info, handle = self._head(file)
+            self._files.confirm(file, info.size, info.mtime_ns, lambda: self._index(file).content_digest)
+            reader = self._readers[file] = self._blocks.reader(remote, self.paths[file], info, self.kind, handle)
         return reader
+
+    def _reads_ahead(self) -> bool:
+        return self._remote is not None
+
+    def _read_ahead(self, indices: np.ndarray) -> None:
+        remote = self._remote
+        if remote is None:
+            return
+        files = np.searchsorted(self._offsets, indices, side="right") - 1
+        for file in np.unique(files).tolist():
+            local = indices[files == file] - self._offsets[file]
+            self._reader(file, remote).read_ahead(*self._index(file).spans(local))
 
     def _locate(self, index: int) -> tuple[int, int]:
         """``(file, record within file)`` of a global record index."""
@@ -225,6 +244,7 @@ class JsonlSource(FileSource[Any]):
         state["_maps"] = [None] * len(self.paths)
         state["_indices"] = [None] * len(self.paths)
         state["_readers"] = [None] * len(self.paths)
+        state["_heads"] = [None] * len(self.paths)
         return state
 
 
@@ -236,10 +256,12 @@ def jsonl(
     filesystem: Any = None,
     block_bytes: int = REMOTE_BLOCK_BYTES,
     cache_bytes: int = CACHE_BYTES,
+    disk_cache_bytes: int = DISK_CACHE_BYTES,
 ) -> JsonlSource:
     """A source over JSONL files: a path, a glob, or a list of them (globs sorted); or objects
     in object storage (``s3://`` URLs with ``storage_options``, or paths on a ``pyarrow.fs``
-    ``filesystem``), read in blocks of ``block_bytes`` through a ``cache_bytes`` memory cache."""
+    ``filesystem``), read in blocks of ``block_bytes`` through a ``cache_bytes`` memory cache
+    and a ``disk_cache_bytes`` disk cache in ``cache_dir``."""
     return JsonlSource(
         paths,
         on_error=on_error,
@@ -248,4 +270,5 @@ def jsonl(
         filesystem=filesystem,
         block_bytes=block_bytes,
         cache_bytes=cache_bytes,
+        disk_cache_bytes=disk_cache_bytes,
     )

@@ -24,19 +24,24 @@ import operator
 import os
 import stat
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import SupportsIndex
 
 import numpy as np
 import numpy.typing as npt
+import pyarrow as pa
 import xxhash
 
 from resumable.errors import ConfigError, SourceError
 from resumable.sources import _sidecar
 from resumable.sources._line_scan import UTF8_BOM, Scanner
 from resumable.sources._sidecar import SIDECAR_SUFFIX, SidecarWarning
+from resumable.sources.blocks import fetch_pool
 from resumable.sources.files import REMEDY, reading
-from resumable.sources.remote import Remote
+from resumable.sources.remote import ObjectInfo, Remote
+
+Head = tuple[ObjectInfo, pa.NativeFile]
+"""What ``Remote.head`` returns: an object's ``ObjectInfo`` and an open file over it."""
 
 Progress = Callable[[int], None]
 """Called with the number of bytes processed since the previous call (e.g. ``tqdm.update``)."""
@@ -171,18 +176,21 @@ class LineIndex:
         )
 
     @classmethod
-    def open_remote(cls, remote: Remote, url: str, kind: str, cache_dir: str | None = None) -> LineIndex:
+    def open_remote(
+        cls, remote: Remote, url: str, kind: str, cache_dir: str | None = None, head: Head | None = None
+    ) -> LineIndex:
         """The index of the object ``url``: loaded from the cache dir when one is keyed on the
-        object's URL, size, mtime and edge digest, else built by one streamed scan and stored
-        there (under a lock, so the processes of a machine build it once; atomic rename)."""
-        size, mtime_ns = remote.stat(url, kind)
-        sidecar = _sidecar.remote_cache_path(url, remote.edge_digest(url, size, kind), cache_dir)
-        loaded = cls._load(url, sidecar, size, mtime_ns)
+        object's URL, size and version (its ETag), else built by one streamed scan and stored
+        there (under a lock, so the processes of a machine build it once; atomic rename).
+        ``head``: the object's ``Remote.head``, when the caller has it (saves a request)."""
+        info, handle = head or remote.head(url, kind)
+        sidecar = _sidecar.remote_cache_path(url, info.version, cache_dir)
+        loaded = cls._load(url, sidecar, info.size, info.mtime_ns)
         if loaded is None:
             with _sidecar.locked(sidecar):
-                loaded = cls._load(url, sidecar, size, mtime_ns)  # built by another process meanwhile
+                loaded = cls._load(url, sidecar, info.size, info.mtime_ns)  # built by another process meanwhile
                 if loaded is None:
-                    loaded = cls.build_remote(remote, url, size, mtime_ns, kind)
+                    loaded = cls.build_remote(remote, url, info, handle, kind)
                     try:
                         loaded._use(*_sidecar.write(sidecar, loaded), None)
                         loaded.sidecar = sidecar
@@ -197,23 +205,34 @@ class LineIndex:
         return loaded
 
     @classmethod
-    def build_remote(cls, remote: Remote, url: str, size: int, mtime_ns: int, kind: str) -> LineIndex:
-        """Scan the object ``url`` (``size`` bytes) sequentially in ``CHUNK_SIZE`` blocks."""
+    def build_remote(cls, remote: Remote, url: str, info: ObjectInfo, handle: pa.NativeFile, kind: str) -> LineIndex:
+        """Scan the object ``url`` sequentially, by ranged reads of ``CHUNK_SIZE`` (each retried,
+        the next one fetched while this one is scanned)."""
+        size = info.size
         content = xxhash.xxh3_64()
-        with remote.open_stream(url, kind) as data, reading(f"{kind}: cannot read {url!r}"):
-            head = data.read(min(size, len(UTF8_BOM)))
-            has_bom = head == UTF8_BOM
-            position = len(UTF8_BOM) if has_bom else 0
-            content.update(head)
-            first = np.frombuffer(head[position:], dtype=np.uint8)  # a stream cannot seek back
-            scanner = Scanner(position)
-            scanner.feed(first, np.empty(first.size, dtype=np.bool_), position)
-            scanner = _scan(data.readinto, url, size, len(head), CHUNK_SIZE, content, None, scanner)
+        chunks = _read_ahead_chunks(remote, handle, url, size, kind)
+        first = next(chunks, b"")
+        has_bom = first.startswith(UTF8_BOM)
+        position = len(UTF8_BOM) if has_bom else 0
+        content.update(first[:position])
+        pending = [memoryview(first)[position:]]
+
+        def read_into(view: memoryview) -> int:
+            if not pending:
+                pending.append(memoryview(next(chunks, b"")))
+            piece = pending.pop()
+            n = min(len(view), len(piece))
+            view[:n] = piece[:n]
+            if n < len(piece):
+                pending.append(piece[n:])
+            return n
+
+        scanner = _scan(read_into, url, size, position, CHUNK_SIZE, content, None)
         starts = scanner.finish(size)  # counts a blank last line, so before reading blank_lines
         index = cls(
             path=url,
             size=size,
-            mtime_ns=mtime_ns,
+            mtime_ns=info.mtime_ns,
             blank_lines=scanner.blank_lines,
             has_bom=has_bom,
             content=content.intdigest(),
@@ -290,7 +309,7 @@ class LineIndex:
         built = (
             LineIndex.build(self.path)
             if remote is None
-            else LineIndex.build_remote(remote, self.path, self.size, self.mtime_ns, "JsonlSource")
+            else LineIndex.build_remote(remote, self.path, *remote.head(self.path, "JsonlSource"), "JsonlSource")
         )
         if (built.size, built.mtime_ns, built.num_records, built.content) != (
             self.size,
@@ -368,6 +387,22 @@ def content_digest(path: str, cache_dir: str | None = None) -> str:
 def content_digest_in(cache_dir: str | None) -> Callable[[str], str]:
     """``content_digest`` with sidecars falling back to ``cache_dir`` (picklable)."""
     return functools.partial(content_digest, cache_dir=cache_dir)
+
+
+def _read_ahead_chunks(remote: Remote, handle: pa.NativeFile, url: str, size: int, kind: str) -> Iterator[bytes]:
+    """The object's bytes in ``CHUNK_SIZE`` ranged reads, each started while the previous one is
+    consumed (a thread of the fetch pool), so scanning overlaps the network."""
+    pool = fetch_pool()
+    offsets = range(0, size, CHUNK_SIZE)
+    ahead = [
+        pool.submit(remote.read_at, handle, url, offset, min(CHUNK_SIZE, size - offset), kind) for offset in offsets[:1]
+    ]
+    for next_offset in [*offsets[1:], None]:
+        if next_offset is not None:
+            ahead.append(
+                pool.submit(remote.read_at, handle, url, next_offset, min(CHUNK_SIZE, size - next_offset), kind)
+            )
+        yield ahead.pop(0).result()
 
 
 def remote_content_digest(remote: Remote, kind: str, cache_dir: str | None, url: str) -> str:

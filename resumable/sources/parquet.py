@@ -23,9 +23,19 @@ import pyarrow.parquet as pq
 import xxhash
 
 from resumable.errors import ConfigError, SourceError
+from resumable.sources.blocks import (
+    BLOCK_BYTES,
+    CACHE_BYTES,
+    DISK_CACHE_BYTES,
+    BlockFile,
+    BlockOptions,
+    BlockReader,
+    Blocks,
+    fetch_pool,
+)
 from resumable.sources.files import Paths, WatchedFiles, reading
-from resumable.sources.remote import resolve
-from resumable.sources.source import FileSource
+from resumable.sources.remote import FRESH_SECONDS, Remote, resolve
+from resumable.sources.source import PathSource
 
 COLUMNS = "columns"
 
@@ -72,15 +82,17 @@ def group_take(
     return out
 
 
-class ParquetSource(FileSource[dict[str, Any]]):
+class ParquetSource(PathSource[dict[str, Any]]):
     """Rows (as dicts) of one or more Parquet files, in file order then row order.
 
     ``columns`` selects columns (all by default). Missing files, globs that match nothing,
     unreadable files and a total of zero rows raise ``SourceError`` at construction. The state
     holds each file's name, size, mtime and footer digest, and the columns: resuming over
-    changed files or other columns is a ``StateError``. Remote objects are read by ranged reads,
-    a row group at a time, through their filesystem. Pickles without open files (DataLoader
-    workers reopen them lazily).
+    changed files or other columns is a ``StateError``. Remote objects are read by ranged reads
+    in blocks through the memory and disk caches of ``resumable.sources.blocks`` (``block_bytes``,
+    ``cache_bytes``, ``disk_cache_bytes`` in ``cache_dir``), the column chunks of the row groups
+    the cursor reads next fetched ahead. Pickles without open files (DataLoader workers reopen
+    them lazily).
     """
 
     kind = "ParquetSource"
@@ -92,6 +104,10 @@ class ParquetSource(FileSource[dict[str, Any]]):
         cache_row_groups: int = DEFAULT_CACHE_ROW_GROUPS,
         storage_options: Mapping[str, Any] | None = None,
         filesystem: Any = None,
+        cache_dir: str | None = None,
+        block_bytes: int = BLOCK_BYTES,
+        cache_bytes: int = CACHE_BYTES,
+        disk_cache_bytes: int = DISK_CACHE_BYTES,
     ) -> None:
         super().__init__()
         if columns is not None:
@@ -100,16 +116,30 @@ class ParquetSource(FileSource[dict[str, Any]]):
             columns = list(columns)
         if isinstance(cache_row_groups, bool) or not isinstance(cache_row_groups, int) or cache_row_groups < 1:
             raise ConfigError(f"{self.kind}: cache_row_groups must be an int >= 1, got {cache_row_groups!r}")
+        options = BlockOptions.checked(self.kind, block_bytes, cache_bytes, disk_cache_bytes, cache_dir)
         self.paths, self._remote = resolve(paths, self.kind, storage_options, filesystem)
         self.columns = columns
         self.cache_row_groups = cache_row_groups
-        remote = self._remote
-        self._files = (
-            WatchedFiles.of(self.kind, self.paths, footer_digest)
-            if remote is None
-            else WatchedFiles.of(self.kind, self.paths, remote.digest(file_footer_digest, self.kind), remote.stat)
-        )
+        self._blocks = Blocks(options)
+        self._readers: list[BlockReader | None] = [None] * len(self.paths)
         self._handles: list[pq.ParquetFile | None] = [None] * len(self.paths)
+        remote = self._remote
+        if remote is None:
+            self._files = WatchedFiles.of(self.kind, self.paths, footer_digest)
+        else:
+            # One request per object (in parallel) for its size, ETag and an open file; the
+            # footer digest reads the footer blocks that ParquetFile then finds cached.
+            heads = list(fetch_pool().map(lambda path: remote.head(path, self.kind), self.paths))
+            self._readers = [
+                self._blocks.reader(remote, path, info, self.kind, handle)
+                for path, (info, handle) in zip(self.paths, heads)
+            ]
+            fingerprints = [
+                [path, info.size, info.mtime_ns, block_footer_digest(reader)]
+                for path, (info, _), reader in zip(self.paths, heads, self._readers)
+            ]
+            digest = remote.digest(file_footer_digest, self.kind)
+            self._files = WatchedFiles(self.kind, fingerprints, digest, remote.stat, fresh_for=FRESH_SECONDS)
         counts: list[int] = []
         group_file: list[int] = []
         group_local: list[int] = []
@@ -157,10 +187,23 @@ class ParquetSource(FileSource[dict[str, Any]]):
     # -- reading ------------------------------------------------------------------------------
 
     def _source(self, file: int) -> str | pa.NativeFile:
-        """What ``pq.ParquetFile`` reads file ``file`` from: its path, or a random-access file
-        over the object (pyarrow reads the footer and each column chunk by ranged reads)."""
-        path = self.paths[file]
-        return path if self._remote is None else self._remote.open(path, self.kind)
+        """What ``pq.ParquetFile`` reads file ``file`` from: its path, or a file over the
+        object's blocks (pyarrow reads the footer and each column chunk as byte ranges)."""
+        remote = self._remote
+        if remote is None:
+            return self.paths[file]
+        return pa.PythonFile(BlockFile(self._reader(file, remote)), mode="r")
+
+    def _reader(self, file: int, remote: Remote) -> BlockReader:
+        """The block reader of remote file ``file`` (made again, after one request that checks
+        the object unchanged, in a DataLoader worker)."""
+        reader = self._readers[file]
+        if reader is None:
+            info, handle = remote.head(self.paths[file], self.kind)
+            reader = self._blocks.reader(remote, self.paths[file], info, self.kind, handle)
+            self._files.confirm(file, info.size, info.mtime_ns, lambda: block_footer_digest(reader))
+            self._readers[file] = reader
+        return reader
 
     def _file(self, file: int) -> pq.ParquetFile:
         handle = self._handles[file]
@@ -221,6 +264,24 @@ class ParquetSource(FileSource[dict[str, Any]]):
             self._decode_concurrently(missing)
         return group_take(indices, self._group_starts, self._row_group, self._cache.__contains__)
 
+    def _reads_ahead(self) -> bool:
+        return self._remote is not None
+
+    def _read_ahead(self, indices: np.ndarray) -> None:
+        """Fetch ahead the column chunks (selected columns) of the row groups of ``indices``
+        that are not decoded yet."""
+        remote = self._remote
+        if remote is None:
+            return
+        groups = np.unique(np.searchsorted(self._group_starts, indices, side="right") - 1).tolist()
+        for group in groups:
+            if group in self._cache:
+                continue
+            file = int(self._group_file[group])
+            starts, ends = column_chunk_spans(self._file(file).metadata, int(self._group_local[group]), self.columns)
+            if len(starts):
+                self._reader(file, remote).read_ahead(starts, ends)
+
     def _decode_concurrently(self, groups: list[int]) -> None:
         """Decode several row groups at once, in threads (pyarrow releases the GIL): a resume
         or a block-shuffle window change waits for one row group's decode, not for several."""
@@ -239,8 +300,31 @@ class ParquetSource(FileSource[dict[str, Any]]):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_handles"] = [None] * len(self.paths)
+        state["_readers"] = [None] * len(self.paths)
         state["_cache"] = OrderedDict()
         return state
+
+
+def column_chunk_spans(
+    metadata: pq.FileMetaData, row_group: int, columns: Sequence[str] | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Byte ranges ``(starts, ends)`` of the column chunks of ``row_group`` (of ``columns``, by
+    top-level name; all by default): what decoding it reads."""
+    group = metadata.row_group(row_group)
+    wanted = None if columns is None else set(columns)
+    starts: list[int] = []
+    ends: list[int] = []
+    for index in range(group.num_columns):
+        chunk = group.column(index)
+        if wanted is not None and chunk.path_in_schema.split(".")[0] not in wanted:
+            continue
+        offsets = [chunk.data_page_offset]
+        if chunk.has_dictionary_page and chunk.dictionary_page_offset is not None:
+            offsets.append(chunk.dictionary_page_offset)
+        start = min(offsets)
+        starts.append(start)
+        ends.append(start + max(1, chunk.total_compressed_size))
+    return np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
 
 
 def footer_digest(path: str) -> str | None:
@@ -249,6 +333,14 @@ def footer_digest(path: str) -> str | None:
     place that keeps every size may not. None when the file has no Parquet footer."""
     with open(path, "rb") as handle:
         return file_footer_digest(handle)
+
+
+def block_footer_digest(reader: BlockReader | None) -> str | None:
+    """``footer_digest`` of a remote object, read through its block reader."""
+    if reader is None:
+        return None
+    with reading(f"{reader.kind}: cannot read {reader.name!r} as Parquet"):
+        return file_footer_digest(BlockFile(reader))
 
 
 def file_footer_digest(handle: BinaryIO | pa.NativeFile) -> str | None:
@@ -271,15 +363,24 @@ def parquet(
     cache_row_groups: int = DEFAULT_CACHE_ROW_GROUPS,
     storage_options: Mapping[str, Any] | None = None,
     filesystem: Any = None,
+    cache_dir: str | None = None,
+    block_bytes: int = BLOCK_BYTES,
+    cache_bytes: int = CACHE_BYTES,
+    disk_cache_bytes: int = DISK_CACHE_BYTES,
 ) -> ParquetSource:
     """A source over Parquet files: a path, a glob, or a list of them (globs sorted), local or
     remote (``s3://`` URLs with ``storage_options``, or paths on a ``pyarrow.fs`` ``filesystem``;
-    see ``resumable.sources.remote``). Records are dicts of the selected ``columns`` (all by
-    default)."""
+    see ``resumable.sources.remote``; read in blocks of ``block_bytes`` through a ``cache_bytes``
+    memory cache and a ``disk_cache_bytes`` disk cache in ``cache_dir``). Records are dicts of
+    the selected ``columns`` (all by default)."""
     return ParquetSource(
         paths,
         columns=columns,
         cache_row_groups=cache_row_groups,
         storage_options=storage_options,
         filesystem=filesystem,
+        cache_dir=cache_dir,
+        block_bytes=block_bytes,
+        cache_bytes=cache_bytes,
+        disk_cache_bytes=disk_cache_bytes,
     )

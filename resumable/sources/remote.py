@@ -4,58 +4,115 @@ to a ``pyarrow.fs.FileSystem`` and the objects a source reads on it.
 ``s3://`` URLs are read by pyarrow's own ``S3FileSystem`` (no dependency beyond pyarrow),
 configured from ``storage_options`` (fsspec's names, ``S3_OPTIONS``) over the standard AWS
 environment (``AWS_ENDPOINT_URL``, ``AWS_DEFAULT_REGION``; credentials from
-``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY`` or the usual AWS profile chain), with pyarrow's
-standard retry strategy for transient errors. Other schemes go through fsspec (the ``s3`` extra)
-and the scheme's own package. Any ``pyarrow.fs.FileSystem`` (an fsspec filesystem wrapped in
-``PyFileSystem(FSSpecHandler(fs))``) may be passed as ``filesystem=`` instead.
+``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY`` or the usual AWS profile chain). Other schemes
+go through fsspec (the ``s3`` extra) and the scheme's own package. Any ``pyarrow.fs.FileSystem``
+(an fsspec filesystem wrapped in ``PyFileSystem(FSSpecHandler(fs))``) may be passed as
+``filesystem=`` instead.
 
-Every failure to list, stat or open an object (missing object or bucket, denied access, bad
-credentials) is a ``SourceError`` naming the URL and the cause.
+Every request goes through ``Remote.call``: transient failures (connection errors, 5xx answers,
+throttling) are retried with exponential backoff and counted (``Remote.retries``), whatever the
+filesystem; pyarrow's own S3 retries are switched off so that each one is seen and counted.
+Every failure that is not transient, or that persists (missing object or bucket, denied access,
+bad credentials), is a ``SourceError`` naming the URL and the cause.
 """
 
 from __future__ import annotations
 
+import calendar
 import fnmatch
 import glob
 import os
-from collections import OrderedDict
+import random
+import re
+import time
 from functools import partial
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, NamedTuple, Optional, TypeVar
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 import xxhash
 
 from resumable.errors import ConfigError, SourceError
-from resumable.sources.files import URL_SCHEME, Digest, Paths, expand_paths, reading
+from resumable.sources.files import READ_ERRORS, URL_SCHEME, Digest, Paths, expand_paths, read_error
+
+R = TypeVar("R")
 
 S3_OPTIONS = ("key", "secret", "token", "endpoint_url", "region", "anon", "client_kwargs")
 """The ``storage_options`` understood for ``s3://`` (fsspec/s3fs names); ``client_kwargs`` may
 hold ``endpoint_url`` and ``region_name``."""
 S3_CLIENT_OPTIONS = ("endpoint_url", "region_name")
-S3_RETRY_ATTEMPTS = 5
-"""Attempts per request (pyarrow's ``AwsStandardS3RetryStrategy``: exponential backoff on
-connection errors, 5xx answers and throttling) before a read fails: a request fails only after
-5 transient errors in a row, and an endpoint that always fails is a ``SourceError`` within
-about a second, not a hang."""
+RETRY_ATTEMPTS = 6
+"""Attempts per request before a transient failure becomes a ``SourceError``: with
+``BACKOFF_SECONDS`` doubling, a request gives up after about 1.5 s of failures in a row, so an
+endpoint that always fails is an error within seconds, not a hang."""
+BACKOFF_SECONDS = 0.05
+"""Wait before the first retry; doubled for each further one (with jitter), up to ``BACKOFF_CAP``."""
+BACKOFF_CAP = 2.0
+PERMANENT_HTTP = re.compile(r"HTTP (?:status|response code):? ?4(?!08|29)\d\d")
+"""A 4xx answer other than 408 (timeout) and 429 (throttling) will not change on a retry."""
+PERMANENT_MARKS = (
+    "ACCESS_DENIED",
+    "AccessDenied",
+    "NO_SUCH",
+    "NoSuch",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "INVALID_ACCESS_KEY_ID",
+    "Path does not exist",
+)
+"""Words of pyarrow's and the stores' error messages that name a failure a retry cannot fix."""
+FRESH_SECONDS = 30.0
+"""Seconds during which a remote object, once checked unchanged (a request), is not checked again
+(``WatchedFiles.fresh_for``): epoch starts and states taken every step cost no request each."""
 EDGE_BYTES = 64 << 10
-"""Bytes at each end of an object hashed into its edge digest (``Remote.edge_digest``)."""
-BLOCK_BYTES = 1 << 20
-"""Default bytes per block of ``BlockReader``: records are read in aligned blocks of this size."""
-CACHE_BYTES = 32 << 20
-"""Default bytes of blocks a ``BlockReader`` keeps in memory (least recently used evicted)."""
-REQUEST_BLOCKS = 16
-"""Most consecutive missing blocks fetched by one ranged read."""
+"""Bytes at each end of an object hashed into its edge digest (``Remote.edge_digest``), the
+version of an object on a filesystem that reports no ETag."""
 EXTRA = "pip install 'resumable[s3]'"
 
 
+class ObjectInfo(NamedTuple):
+    """What a source keys an object's index and cached blocks on."""
+
+    size: int
+    mtime_ns: int
+    version: str
+    """``etag:<ETag>`` where the store reports one (S3), else ``edge:<edge digest>``."""
+
+
+def is_transient(error: BaseException) -> bool:
+    """Whether a retry may succeed: connection errors, timeouts, 5xx, 408 and 429 answers and
+    throttling are transient; missing objects, denied access and bad credentials are not."""
+    if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
+        return False
+    if not isinstance(error, (OSError, pa.ArrowException)):
+        return False
+    message = str(error)
+    return not (PERMANENT_HTTP.search(message) or any(mark in message for mark in PERMANENT_MARKS))
+
+
 class Remote:
-    """The filesystem that a source's objects live on, and how to stat and open them by the name
-    the source knows them by (a URL, or a path on the given filesystem). Pickles (workers)."""
+    """The filesystem that a source's objects live on, and how to list, stat, open and read them
+    by the name the source knows them by (a URL, or a path on the given filesystem), every
+    request retried by ``call``. Pickles (DataLoader workers; the retry count restarts there)."""
 
     def __init__(self, filesystem: pafs.FileSystem) -> None:
         self.filesystem = filesystem
+        self.retries = 0
+
+    def call(self, where: str, request: Callable[[], R]) -> R:
+        """``request()``, retried with backoff while it fails transiently; a ``SourceError``
+        prefixed by ``where`` when it fails otherwise or ``RETRY_ATTEMPTS`` times in a row."""
+        failures = 0
+        while True:
+            try:
+                return request()
+            except READ_ERRORS as error:
+                failures += 1
+                if failures == RETRY_ATTEMPTS or not is_transient(error):
+                    raise read_error(where, error) from error
+            self.retries += 1
+            delay = min(BACKOFF_CAP, BACKOFF_SECONDS * 2 ** (failures - 1))
+            time.sleep(delay * (0.5 + random.random() / 2))
 
     def stat(self, name: str, kind: str) -> tuple[int, int]:
         """``(size, mtime_ns or 0)`` of the object ``name``: a ``Stat`` for ``WatchedFiles``."""
@@ -64,25 +121,61 @@ class Remote:
         return int(info.size), int(mtime_ns) if mtime_ns is not None else 0
 
     def open(self, name: str, kind: str) -> pa.NativeFile:
-        """A random-access file over the object ``name`` (ranged reads)."""
-        with reading(f"{kind}: cannot open {name!r}"):
-            return self.filesystem.open_input_file(object_path(name))
+        """A random-access file over the object ``name`` (ranged reads; on S3, opening it costs
+        one HEAD request)."""
+        try:
+            return self.call(
+                f"{kind}: cannot open {name!r}", lambda: self.filesystem.open_input_file(object_path(name))
+            )
+        except SourceError:
+            self._info(name, kind)  # a missing bucket, object or a directory: say which
+            raise
+
+    def head(self, name: str, kind: str) -> tuple[ObjectInfo, pa.NativeFile]:
+        """The object's ``ObjectInfo`` and a random-access file over it. On S3 one request (the
+        HEAD that opening costs gives size, ETag and Last-Modified); elsewhere a stat and the
+        two reads of the edge digest."""
+        handle = self.open(name, kind)
+        metadata = handle.metadata() if hasattr(handle, "metadata") else {}
+        etag, modified = metadata.get("ETag"), metadata.get("Last-Modified")
+        if etag and modified:
+            mtime_ns = calendar.timegm(time.strptime(modified.decode(), "%Y-%m-%dT%H:%M:%SZ")) * 10**9
+            return ObjectInfo(int(handle.size()), mtime_ns, f"etag:{etag.decode().strip(chr(34))}"), handle
+        size, mtime_ns = self.stat(name, kind)
+        return ObjectInfo(size, mtime_ns, f"edge:{self.edge_digest(name, size, kind, handle)}"), handle
+
+    def read_at(self, handle: pa.NativeFile, name: str, offset: int, length: int, kind: str) -> bytes:
+        """``length`` bytes of the object at ``offset`` by one ranged read (retried); a
+        ``SourceError`` when the object is shorter than that now."""
+        data: bytes = self.call(
+            f"{kind}: cannot read {name!r} at bytes {offset}-{offset + length}",
+            lambda: handle.read_at(length, offset),
+        )
+        if len(data) != length:
+            raise SourceError(f"{kind}: {name!r} changed during the run (shorter than when it was opened)")
+        return data
 
     def open_stream(self, name: str, kind: str) -> pa.NativeFile:
-        """A sequential stream over the object ``name`` (the scan that builds a line index)."""
-        with reading(f"{kind}: cannot open {name!r}"):
-            return self.filesystem.open_input_stream(object_path(name))
+        """A sequential stream over the object ``name``."""
+        try:
+            return self.call(
+                f"{kind}: cannot open {name!r}", lambda: self.filesystem.open_input_stream(object_path(name))
+            )
+        except SourceError:
+            self._info(name, kind)
+            raise
 
-    def edge_digest(self, name: str, size: int, kind: str) -> str:
+    def edge_digest(self, name: str, size: int, kind: str, handle: pa.NativeFile | None = None) -> str:
         """XXH3-64 of the object's size and its first and last ``EDGE_BYTES`` (two ranged reads):
-        with size and mtime, the key of a cached line index, so a replaced object is noticed
-        even when the store's mtime (one second resolution on S3) and size did not change."""
+        with size and mtime, the version of an object on a filesystem that reports no ETag, so a
+        replaced object is noticed even when its mtime (one second resolution) and size did not
+        change."""
+        handle = handle or self.open(name, kind)
         digest = xxhash.xxh3_64(size.to_bytes(8, "little"))
-        with self.open(name, kind) as handle, reading(f"{kind}: cannot read {name!r}"):
-            digest.update(handle.read_at(min(size, EDGE_BYTES), 0))
-            if size > EDGE_BYTES:
-                tail = min(size - EDGE_BYTES, EDGE_BYTES)
-                digest.update(handle.read_at(tail, size - tail))
+        digest.update(self.read_at(handle, name, 0, min(size, EDGE_BYTES), kind))
+        if size > EDGE_BYTES:
+            tail = min(size - EDGE_BYTES, EDGE_BYTES)
+            digest.update(self.read_at(handle, name, size - tail, tail, kind))
         return f"{digest.intdigest():016x}"
 
     def digest(self, file_digest: Callable[[pa.NativeFile], Optional[str]], kind: str) -> Digest:
@@ -90,33 +183,31 @@ class Remote:
         return partial(_object_digest, self, file_digest, kind)
 
     def _info(self, name: str, kind: str) -> pafs.FileInfo:
-        with reading(f"{kind}: cannot stat {name!r}"):
-            info = self.filesystem.get_file_info(object_path(name))
+        where = f"{kind}: cannot stat {name!r}"
+        info = self.call(where, lambda: self.filesystem.get_file_info(object_path(name)))
         if info.type == pafs.FileType.NotFound:
             bucket = object_path(name).split("/", 1)[0]
-            with reading(f"{kind}: cannot stat {name!r}"):
-                missing = self.filesystem.get_file_info(bucket).type == pafs.FileType.NotFound
-            cause = f"no such bucket (or top directory) {bucket!r}" if missing else "no such object"
+            found = self.call(where, lambda: self.filesystem.get_file_info(bucket))
+            cause = "no such object" if found.type != pafs.FileType.NotFound else f"no such bucket {bucket!r}"
             raise SourceError(f"{kind}: cannot read {name!r}: {cause}")
         if info.type != pafs.FileType.File:
             raise SourceError(f"{kind}: {name!r} is a directory; pass an object or a glob such as '{name}/*'")
         return info
 
     def expand(self, patterns: list[str], kind: str) -> list[str]:
-        """Names of the objects ``patterns`` mean: each glob listed once and sorted, each
-        explicit name checked to exist."""
+        """Names of the objects ``patterns`` mean: each glob listed once and sorted. Explicit
+        names are checked when the source opens them (one request fewer per object)."""
         names: list[str] = []
         for pattern in patterns:
             if not glob.has_magic(pattern):
-                self._info(pattern, kind)
                 names.append(pattern)
                 continue
             match = URL_SCHEME.match(pattern)
             scheme = match.group(0) if match else ""
             path = object_path(pattern)
             base = path[: min(path.find(c) for c in "*?[" if c in path)].rpartition("/")[0]
-            with reading(f"{kind}: cannot list {pattern!r}"):
-                infos = self.filesystem.get_file_info(pafs.FileSelector(base, allow_not_found=True, recursive=True))
+            selector = pafs.FileSelector(base, allow_not_found=True, recursive=True)
+            infos = self.call(f"{kind}: cannot list {pattern!r}", lambda: self.filesystem.get_file_info(selector))
             matches = sorted(
                 scheme + info.path
                 for info in infos
@@ -127,82 +218,9 @@ class Remote:
             names.extend(matches)
         return names
 
-
-class BlockReader:
-    """Byte ranges of one object read in aligned blocks of ``block_bytes`` through a bounded LRU
-    of blocks (``cache_bytes``): the ranges of a chunk of records cost one ranged read per run of
-    consecutive missing blocks (at most ``REQUEST_BLOCKS`` blocks each), never one per record,
-    and sequential reading fetches each block once. ``requests`` and ``bytes_fetched`` count
-    the reads. Pickles without its open file and blocks (DataLoader workers)."""
-
-    def __init__(self, remote: Remote, name: str, size: int, kind: str, block_bytes: int, cache_bytes: int) -> None:
-        self.remote = remote
-        self.name = name
-        self.size = size
-        self.kind = kind
-        self.block_bytes = block_bytes
-        self.cache_blocks = max(1, cache_bytes // block_bytes)
-        self.requests = 0
-        self.bytes_fetched = 0
-        self._file: pa.NativeFile | None = None
-        self._blocks: OrderedDict[int, bytes] = OrderedDict()
-
-    def ranges(self, starts: np.ndarray, ends: np.ndarray) -> list[bytes]:
-        """``object[starts[i]:ends[i]]`` for each ``i`` (non-empty ranges)."""
-        width = self.block_bytes
-        first = starts.astype(np.int64) // width
-        last = (ends.astype(np.int64) - 1) // width
-        wide = np.flatnonzero(last - first > 1)
-        inner = [np.arange(first[i] + 1, last[i]) for i in wide.tolist()]
-        needed = np.unique(np.concatenate([first, last, *inner]))
-        blocks = self._fetch(needed.tolist())
-        out: list[bytes] = []
-        for a, b, f, z in zip(starts.tolist(), ends.tolist(), first.tolist(), last.tolist()):
-            if f == z:
-                out.append(blocks[f][a - f * width : b - f * width])
-            else:
-                joined = b"".join(blocks[block] for block in range(f, z + 1))
-                out.append(joined[a - f * width : b - f * width])
-        return out
-
-    def _fetch(self, needed: list[int]) -> dict[int, bytes]:
-        """Blocks ``needed`` (sorted), reading the missing ones in runs of consecutive blocks."""
-        cached = self._blocks
-        found = {block: cached[block] for block in needed if block in cached}
-        for block in found:
-            cached.move_to_end(block)
-        missing = [block for block in needed if block not in found]
-        run_start = 0
-        for i in range(1, len(missing) + 1):
-            if i < len(missing) and missing[i] == missing[i - 1] + 1 and i - run_start < REQUEST_BLOCKS:
-                continue
-            found.update(self._read(missing[run_start], missing[i - 1] + 1))
-            run_start = i
-        return found
-
-    def _read(self, first: int, stop: int) -> dict[int, bytes]:
-        """Blocks ``first`` up to ``stop`` in one ranged read, added to the cache."""
-        width = self.block_bytes
-        offset = first * width
-        length = min(stop * width, self.size) - offset
-        with reading(f"{self.kind}: cannot read {self.name!r} at bytes {offset}-{offset + length}"):
-            if self._file is None:
-                self._file = self.remote.open(self.name, self.kind)
-            data = self._file.read_at(length, offset)
-        if len(data) != length:
-            raise SourceError(f"{self.kind}: {self.name!r} changed during the run (shorter than indexed)")
-        self.requests += 1
-        self.bytes_fetched += length
-        blocks = {block: data[(block - first) * width : (block - first + 1) * width] for block in range(first, stop)}
-        self._blocks.update(blocks)
-        while len(self._blocks) > self.cache_blocks:
-            self._blocks.popitem(last=False)
-        return blocks
-
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_file"] = None
-        state["_blocks"] = OrderedDict()
+        state["retries"] = 0
         return state
 
 
@@ -282,7 +300,9 @@ def s3_filesystem(options: dict[str, Any], kind: str) -> pafs.S3FileSystem:
     )
     region = options.get("region") or client.get("region_name")
     region = region or environ.get("AWS_REGION") or environ.get("AWS_DEFAULT_REGION")
-    settings: dict[str, Any] = {"retry_strategy": pafs.AwsStandardS3RetryStrategy(max_attempts=S3_RETRY_ATTEMPTS)}
+    # One attempt per request: Remote.call retries, counts and backs off (pyarrow's own
+    # strategy would hide the retries, and does not retry every transient answer).
+    settings: dict[str, Any] = {"retry_strategy": pafs.AwsStandardS3RetryStrategy(max_attempts=1)}
     if endpoint:
         scheme, _, host = str(endpoint).rpartition("://")
         settings["endpoint_override"] = host or str(endpoint)

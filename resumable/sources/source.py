@@ -8,7 +8,9 @@ import numpy as np
 
 from resumable.core.indexed import IndexedNode
 from resumable.core.state import require
+from resumable.sources.blocks import Blocks
 from resumable.sources.files import FILES, WatchedFiles
+from resumable.sources.remote import Remote
 
 T = TypeVar("T")
 
@@ -73,3 +75,23 @@ class FileSource(Source[T]):
     def _enter_epoch(self, epoch: int) -> None:
         self._files.check_all()
         super()._enter_epoch(epoch)
+
+
+class PathSource(FileSource[T]):
+    """A file source over paths or URLs (JSONL, Parquet, Arrow): local files, or objects read
+    through the block caches of ``resumable.sources.blocks``. Subclasses set ``paths``,
+    ``_remote`` (None for local files) and ``_blocks``."""
+
+    paths: list[str]
+    _remote: Remote | None
+    _blocks: Blocks
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Records and files; for remote objects also what this process read and how: ranged
+        reads (``requests``), ``bytes_fetched``, blocks found in the disk cache (``disk_hits``),
+        blocks fetched ahead of the cursor, and retried requests."""
+        stats = {"records": len(self), "files": len(self.paths)}
+        if self._remote is not None:
+            stats.update(self._blocks.stats, retries=self._remote.retries)
+        return stats

@@ -78,3 +78,65 @@ def test_an_endpoint_that_always_fails_is_a_source_error_naming_the_url(
         source(kind, url, proxy.options(s3_server.options), tmp_path)
     assert url in str(raised.value)
     assert proxy.requests > 1  # retried, then gave up
+
+
+@pytest.mark.parametrize(
+    "error, transient",
+    [
+        (
+            OSError(
+                "AWS Error NETWORK_CONNECTION during GetObject operation: curlCode: 56, Failure when receiving data"
+            ),
+            True,
+        ),
+        (OSError("AWS Error UNKNOWN (HTTP status 503) during GetObject operation: No response body."), True),
+        (
+            OSError(
+                "AWS Error SLOW_DOWN (HTTP status 503) during GetObject operation: Please reduce your request rate."
+            ),
+            True,
+        ),
+        (OSError("AWS Error UNKNOWN (HTTP status 429) during HeadObject operation"), True),
+        (OSError("AWS Error UNKNOWN (HTTP status 408) during GetObject operation"), True),
+        (ConnectionResetError("Connection reset by peer"), True),
+        (TimeoutError("timed out"), True),
+        (OSError("AWS Error ACCESS_DENIED during HeadObject operation: No response body."), False),
+        (OSError("AWS Error UNKNOWN (HTTP status 403) during GetObject operation"), False),
+        (OSError("AWS Error NO_SUCH_KEY during GetObject operation"), False),
+        (OSError("AWS Error UNKNOWN (HTTP status 400) during HeadObject operation: InvalidAccessKeyId"), False),
+        (FileNotFoundError("Path does not exist 'bucket/key'"), False),
+        (PermissionError("denied"), False),
+        (ValueError("not an I/O error"), False),
+    ],
+)
+def test_transient_failures_are_told_from_permanent_ones(error: BaseException, transient: bool) -> None:
+    assert remote.is_transient(error) is transient
+
+
+def test_call_retries_transient_failures_counts_them_and_gives_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(remote, "BACKOFF_SECONDS", 0.0)
+    target = remote.Remote(filesystem=None)  # type: ignore[arg-type]
+    answers: list[Any] = [ConnectionResetError("reset"), OSError("HTTP status 503"), b"data"]
+
+    def flaky() -> bytes:
+        answer = answers.pop(0)
+        if isinstance(answer, BaseException):
+            raise answer
+        return bytes(answer)
+
+    assert target.call("reading s3://b/k", flaky) == b"data"
+    assert target.retries == 2
+
+    def always_failing() -> bytes:
+        raise OSError("HTTP status 500")
+
+    with pytest.raises(rs.SourceError, match="reading s3://b/k: OSError: HTTP status 500"):
+        target.call("reading s3://b/k", always_failing)
+    assert target.retries == 2 + remote.RETRY_ATTEMPTS - 1
+
+    def denied() -> bytes:
+        raise OSError("AWS Error ACCESS_DENIED during GetObject operation")
+
+    with pytest.raises(rs.SourceError, match="ACCESS_DENIED"):
+        target.call("reading s3://b/k", denied)
+    assert target.retries == 2 + remote.RETRY_ATTEMPTS - 1  # not retried

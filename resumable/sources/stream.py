@@ -6,6 +6,11 @@ queue of files it has left, as ``[file, byte offset, line]`` work items: the hea
 file being read and where its next line starts (offsets count decompressed bytes). An elastic
 rescale deals the old consumers' work items out over the new ones. Resuming inside a gzip file
 decompresses up to the offset (gzip has no random access); plain files seek.
+
+Objects in object storage (``s3://`` URLs with ``storage_options``, or paths on a ``pyarrow.fs``
+``filesystem``) are read the same way through ``resumable.sources.remote_stream``: large ranged
+reads fetched one chunk ahead by a background thread, a plain object opened at an offset by
+starting its read there, a gzip one decompressed from its start.
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ import gzip
 import io
 import logging
 import os
-from typing import Any, Sequence
+from functools import partial
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import orjson
@@ -37,9 +43,17 @@ from resumable.sources.files import (
     READ_ERRORS,
     Paths,
     WatchedFiles,
-    expand_paths,
     read_error,
     reading,
+)
+from resumable.sources.remote import FRESH_SECONDS, resolve
+from resumable.sources.remote_stream import (
+    CHUNK_BYTES,
+    GZIP_TRAILER_BYTES,
+    FetchCounts,
+    gzip_trailer,
+    is_gzip,
+    open_object,
 )
 
 logger = logging.getLogger("resumable")
@@ -56,8 +70,6 @@ OFFSET_BITS = 40  # a record key packs (file, byte offset): offsets below 1 TiB 
 LOGGED_SKIPS = 10
 MAX_DEFLATE_RATIO = 1032
 """Deflate expands a compressed byte into at most this many: a bound on a gzip file's content."""
-GZIP_TRAILER_BYTES = 8
-"""A gzip member ends with the CRC-32 and the length (mod 2**32) of its uncompressed content."""
 
 
 class JsonlStream(Node[Any]):
@@ -66,6 +78,10 @@ class JsonlStream(Node[Any]):
     Use it for data that cannot be indexed; ``rs.jsonl`` (indexed: global shuffle, seek-based
     resume anywhere, an even split of records) is better whenever it can be used. With fewer
     files than consumers some consumers read nothing.
+
+    Remote objects (``storage_options``/``filesystem``, see ``resumable.sources.remote``) are
+    read in ranged reads of ``chunk_bytes``, one chunk ahead of the parser; ``stats`` then
+    counts those reads (``requests``), ``bytes_fetched`` and ``retries`` in this process.
     """
 
     kind = "JsonlStream"
@@ -78,15 +94,26 @@ class JsonlStream(Node[Any]):
         rank: int | None = None,
         world_size: int | None = None,
         split_workers: bool = True,
+        storage_options: Mapping[str, Any] | None = None,
+        filesystem: Any = None,
+        chunk_bytes: int = CHUNK_BYTES,
     ) -> None:
         super().__init__()
         if on_error not in ("raise", "skip"):
             raise ConfigError(f"{self.kind}: on_error must be 'raise' or 'skip', got {on_error!r}")
         if shuffle_files is not None and (isinstance(shuffle_files, bool) or not isinstance(shuffle_files, int)):
             raise ConfigError(f"{self.kind}: shuffle_files must be an int seed or None, got {shuffle_files!r}")
+        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+            raise ConfigError(f"{self.kind}: chunk_bytes must be a positive int, got {chunk_bytes!r}")
         self._consumer = Consumer(rank, world_size, split_workers, self.kind)
-        self.paths = expand_paths(paths, self.kind)
-        self._files = WatchedFiles.of(self.kind, self.paths, gzip_digest)
+        self.paths, self._remote = resolve(paths, self.kind, storage_options, filesystem)
+        if self._remote is None:
+            self._files = WatchedFiles.of(self.kind, self.paths, gzip_digest)
+        else:
+            digest = partial(gzip_trailer, self._remote, self.kind)
+            self._files = WatchedFiles.of(self.kind, self.paths, digest, self._remote.stat, FRESH_SECONDS)
+        self.chunk_bytes = chunk_bytes
+        self._fetched = FetchCounts()  # ranged reads of remote objects, in this process
         self.on_error = on_error
         self.shuffle_files = shuffle_files
         self._epoch = 0
@@ -95,6 +122,18 @@ class JsonlStream(Node[Any]):
         self._handle: io.BufferedIOBase | None = None
         self._last: RecordKey | None = None
         self.skipped = 0
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Malformed records skipped so far; for remote objects also the ranged reads of the
+        read-ahead (``requests``), their ``bytes_fetched`` and the requests ``retries`` of this
+        process."""
+        stats = {"skipped": self.skipped}
+        if self._remote is not None:
+            stats["requests"] = self._fetched.requests
+            stats["bytes_fetched"] = self._fetched.bytes_fetched
+            stats["retries"] = self._remote.retries
+        return stats
 
     @property
     def topology(self) -> Topology:
@@ -154,9 +193,8 @@ class JsonlStream(Node[Any]):
         """Open file ``file`` (checked unchanged) at decompressed byte ``offset``."""
         self._files.check(file)
         path = self.paths[file]
-        handle = _open(path)
+        handle, reached = self._open_at(file, offset)
         self._handle = handle
-        reached = handle.seek(offset)  # gzip: decompresses up to the offset, or to the end
         if reached != offset:
             self._close_handle()
             raise StateError(
@@ -164,6 +202,23 @@ class JsonlStream(Node[Any]):
                 "decompressed): the state was not taken over this file"
             )
         return handle
+
+    def _open_at(self, file: int, offset: int) -> tuple[io.BufferedIOBase, int]:
+        """File ``file`` open at decompressed byte ``offset``, and the offset reached (less
+        than ``offset`` when a gzip file's content ends before it): a local file seeks (gzip:
+        decompresses up to the offset); a remote object starts its ranged reads there (gzip: at
+        its start, decompressing up to the offset)."""
+        path = self.paths[file]
+        if self._remote is None:
+            handle = _open(path)
+            try:
+                return handle, handle.seek(offset)
+            except BaseException:
+                handle.close()
+                raise
+        return open_object(
+            self._remote, path, self._files.size(file), offset, self.kind, self.chunk_bytes, self._fetched
+        )
 
     def _close_handle(self) -> None:
         if self._handle is not None:
@@ -197,15 +252,42 @@ class JsonlStream(Node[Any]):
         for file, offsets in wanted.items():
             self._files.check(file)
             path = self.paths[file]
-            with reading(f"{self.kind}: cannot read {path!r}"), _open(path) as handle:
-                for offset, slot in sorted(offsets):
-                    handle.seek(offset)
-                    raw = handle.readline()
-                    try:
-                        records[slot] = orjson.loads(raw)
-                    except orjson.JSONDecodeError as error:
-                        raise SourceError(f"{path}: no JSON record at byte {offset}: {error}") from error
+            with reading(f"{self.kind}: cannot read {path!r}"):
+                if self._remote is None:
+                    with _open(path) as handle:
+                        for offset, slot in sorted(offsets):
+                            handle.seek(offset)
+                            records[slot] = _record(path, offset, handle.readline())
+                else:
+                    self._fetch_remote(file, sorted(offsets), records)
         return records
+
+    def _fetch_remote(self, file: int, offsets: list[tuple[int, int]], records: list[Any]) -> None:
+        """The records at ``offsets`` (``(byte offset, slot)``, sorted) of remote file ``file``
+        into their slots of ``records``. One stream reads forward through them; a plain object
+        opens a new one where the next offset lies more than a chunk ahead (no fetching of the
+        bytes between), a gzip one is decompressed once, up to its last offset."""
+        handle: io.BufferedIOBase | None = None
+        position = 0  # of the open handle: the decompressed byte its next read returns
+        path = self.paths[file]
+        try:
+            for offset, slot in offsets:
+                far = not is_gzip(path) and offset - position > self.chunk_bytes
+                if handle is None or far:
+                    if handle is not None:
+                        handle.close()
+                    handle, position = self._open_at(file, offset)
+                while position < offset:  # skip forward within the stream (gzip: decompress)
+                    skipped = handle.read(min(offset - position, self.chunk_bytes))
+                    if not skipped:
+                        break
+                    position += len(skipped)
+                raw = handle.readline()
+                position += len(raw)
+                records[slot] = _record(path, offset, raw)
+        finally:
+            if handle is not None:
+                handle.close()
 
     # -- epochs, state, shutdown ----------------------------------------------------------------
 
@@ -285,7 +367,7 @@ class JsonlStream(Node[Any]):
         """The largest byte offset file ``file`` can hold: its size, or for gzip what its size
         can decompress to; never past what a record key can pack."""
         size = self._files.size(file)
-        content = size * MAX_DEFLATE_RATIO if _is_gzip(self.paths[file]) else size
+        content = size * MAX_DEFLATE_RATIO if is_gzip(self.paths[file]) else size
         return min(content, (1 << OFFSET_BITS) - 1)
 
     def _rescale(self, olds: list[dict[str, Any]], path: str, consumer: int, num_consumers: int) -> dict[str, Any]:
@@ -322,19 +404,23 @@ class JsonlStream(Node[Any]):
         return state
 
 
-def _is_gzip(path: str) -> bool:
-    return path.endswith(".gz")
+def _record(path: str, offset: int, raw: bytes) -> Any:
+    """The JSON record of the line ``raw`` read at byte ``offset`` of ``path``."""
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as error:
+        raise SourceError(f"{path}: no JSON record at byte {offset}: {error}") from error
 
 
 def _open(path: str) -> io.BufferedIOBase:
-    return gzip.open(path, "rb") if _is_gzip(path) else open(path, "rb")
+    return gzip.open(path, "rb") if is_gzip(path) else open(path, "rb")
 
 
 def gzip_digest(path: str) -> str | None:
     """A gzip file's trailer (CRC-32 and length of its content, of the last member: the whole
     content for files written in one go), read from its last 8 bytes; None for plain files,
     which have no cheap digest."""
-    if not _is_gzip(path):
+    if not is_gzip(path):
         return None
     with open(path, "rb") as handle:
         size = handle.seek(0, os.SEEK_END)
@@ -351,6 +437,13 @@ def jsonl_stream(
     rank: int | None = None,
     world_size: int | None = None,
     split_workers: bool = True,
+    storage_options: Mapping[str, Any] | None = None,
+    filesystem: Any = None,
+    chunk_bytes: int = CHUNK_BYTES,
 ) -> JsonlStream:
-    """A streaming, file-sharded source over JSONL files (plain or ``.gz``)."""
-    return JsonlStream(paths, on_error, shuffle_files, rank, world_size, split_workers)
+    """A streaming, file-sharded source over JSONL files (plain or ``.gz``): local paths and
+    globs, or objects in object storage (``s3://`` URLs with ``storage_options``, or paths on a
+    ``pyarrow.fs`` ``filesystem``), read in ranged reads of ``chunk_bytes`` fetched ahead."""
+    return JsonlStream(
+        paths, on_error, shuffle_files, rank, world_size, split_workers, storage_options, filesystem, chunk_bytes
+    )

@@ -152,9 +152,7 @@ def test_object_replaced_between_save_and_restore(s3: dict[str, Any], kind: str)
     assert url in str(raised.value)
 
 
-def test_urls_for_jsonl_stream_and_bad_options_are_config_errors(s3: dict[str, Any]) -> None:
-    with pytest.raises(rs.ConfigError, match="jsonl_stream over object storage is not supported yet"):
-        rs.jsonl_stream(f"s3://{BUCKET}/data.jsonl")
+def test_bad_options_are_config_errors(s3: dict[str, Any]) -> None:
     _, url = s3["parquet"]
     with pytest.raises(rs.ConfigError, match="not understood"):
         rs.parquet(url, storage_options={"bogus": 1})

@@ -73,8 +73,8 @@ def expand_paths(paths: Paths, kind: str) -> list[str]:
     for pattern in patterns:
         if URL_SCHEME.match(pattern):
             raise ConfigError(
-                f"{kind}: {pattern!r} is a URL; remote files are read by rs.jsonl, rs.parquet and rs.arrow "
-                "only (rs.jsonl_stream over object storage is not supported yet)"
+                f"{kind}: {pattern!r} is a URL; remote files are read by rs.jsonl, rs.jsonl_stream, rs.parquet "
+                "and rs.arrow (with storage_options= or filesystem=)"
             )
         if glob.has_magic(pattern):
             matches = sorted(match for match in glob.glob(pattern, recursive=True) if os.path.isfile(match))

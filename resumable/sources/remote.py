@@ -68,6 +68,8 @@ EDGE_BYTES = 64 << 10
 """Bytes at each end of an object hashed into its edge digest (``Remote.edge_digest``), the
 version of an object on a filesystem that reports no ETag."""
 EXTRA = "pip install 'resumable[s3]'"
+ETAG_PREFIX = "etag:"
+"""``ObjectInfo.version`` of an object whose store reports an ETag."""
 
 
 class ObjectInfo(NamedTuple):
@@ -140,7 +142,7 @@ class Remote:
         etag, modified = metadata.get("ETag"), metadata.get("Last-Modified")
         if etag and modified:
             mtime_ns = calendar.timegm(time.strptime(modified.decode(), "%Y-%m-%dT%H:%M:%SZ")) * 10**9
-            return ObjectInfo(int(handle.size()), mtime_ns, f"etag:{etag.decode().strip(chr(34))}"), handle
+            return ObjectInfo(int(handle.size()), mtime_ns, ETAG_PREFIX + etag.decode().strip('"')), handle
         size, mtime_ns = self.stat(name, kind)
         return ObjectInfo(size, mtime_ns, f"edge:{self.edge_digest(name, size, kind, handle)}"), handle
 

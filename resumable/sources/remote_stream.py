@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Union
 
-from resumable.sources.remote import Remote
+from resumable.sources.remote import ETAG_PREFIX, Remote
 
 CHUNK_BYTES = 8 << 20
 """Default bytes per ranged read of a streamed object."""
@@ -250,12 +250,14 @@ class _GzipObject(gzip.GzipFile):
 
 def gzip_trailer(remote: Remote, kind: str, name: str) -> str | None:
     """A ``Digest`` of objects: a gzip object's trailer (CRC-32 and length of its content, as
-    ``stream.gzip_digest`` reads locally) by one ranged read of its last 8 bytes; None for plain
-    objects (no request)."""
-    if not is_gzip(name):
-        return None
-    with remote.open(name, kind) as handle:
-        size = handle.size()
-        if size < GZIP_TRAILER_BYTES:
+    ``stream.gzip_digest`` reads locally) by one ranged read of its last 8 bytes; for a plain
+    object its ETag where the store reports one (the HEAD that opening it costs), so that an
+    object replaced within the same second by one of the same size is still told apart."""
+    info, handle = remote.head(name, kind)
+    with handle:
+        if not is_gzip(name):
+            return info.version if info.version.startswith(ETAG_PREFIX) else None
+        if info.size < GZIP_TRAILER_BYTES:
             return None
-        return f"gzip-trailer:{remote.read_at(handle, name, size - GZIP_TRAILER_BYTES, GZIP_TRAILER_BYTES, kind).hex()}"
+        tail = remote.read_at(handle, name, info.size - GZIP_TRAILER_BYTES, GZIP_TRAILER_BYTES, kind)
+        return f"gzip-trailer:{tail.hex()}"

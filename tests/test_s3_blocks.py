@@ -98,14 +98,6 @@ def test_sequential_and_block_shuffled_reads_equal_the_local_file(
         assert pq.ParquetFile(path).metadata.num_row_groups > 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="blocks.py BlockReader._get: a read needing more than REQUEST_BLOCKS missing blocks fetches "
-    "them as several runs (one inline, the rest in the pool) and each run's _settle appends its blocks "
-    "to the LRU when it finishes; when an earlier run settles last, the memory tier (smaller than the "
-    "read) keeps that run's blocks and evicts the read's last block, which the next chunk starts in: it "
-    "is fetched again",
-)
 @pytest.mark.parametrize("block_bytes", [512, 4096])
 def test_sequential_jsonl_fetches_each_byte_once(s3_server: S3Server, block_bytes: int, tmp_path: Path) -> None:
     records = _cost_records()
@@ -129,43 +121,34 @@ def test_sequential_jsonl_fetches_each_byte_once(s3_server: S3Server, block_byte
 
 
 @pytest.mark.parametrize(
-    "shuffle_block",
+    "shuffle_block, disk_cache_bytes",
     [
-        pytest.param(40, id="window-fits-memory"),
-        pytest.param(
-            10,
-            id="shuffle-block-of-two-blocks",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="1.33x: a shuffle block of ~2 kB spans ~3 aligned 1 kB blocks; the edge blocks it "
-                "shares with its file neighbours are read again when those neighbours come up in another "
-                "window, long after the 32-block memory tier evicted them (about +block_bytes/shuffle-block "
-                "bytes)",
-            ),
-        ),
-        pytest.param(
-            256,
-            id="window-wider-than-memory",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="1.23x: a window (4 x 256 records, ~200 kB) is 6x the memory tier; the cursor reads "
-                "the first window of the epoch in chunks of 16, 32, ... 512 records (indexed.py MIN_CHUNK "
-                "doubling), each touching blocks across the whole window, so blocks evicted between chunks "
-                "are fetched again (~500 blocks fetched for a 200-block window)",
-            ),
-        ),
+        pytest.param(40, 0, id="window-fits-memory"),
+        # A window (4 x 256 records, ~200 kB) wider than the 32-block memory tier: the block
+        # shuffle reserves two windows of memory, so its blocks are fetched once.
+        pytest.param(256, 0, id="window-wider-than-memory"),
+        # Shuffle blocks of ~2 kB over 1 kB blocks share their edge blocks with file neighbours
+        # that come up in other windows: the disk tier serves those again (with it off, an epoch
+        # costs about 1 + block_bytes / shuffle-block bytes, 1.33x here; docs/sources.md).
+        pytest.param(10, 64 << 20, id="shuffle-block-of-two-blocks-disk-tier"),
     ],
 )
 def test_block_shuffled_jsonl_epoch_fetches_at_most_1_2x_the_data(
-    s3_server: S3Server, tmp_path: Path, shuffle_block: int
+    s3_server: S3Server, tmp_path: Path, shuffle_block: int, disk_cache_bytes: int
 ) -> None:
-    """Default settings scaled down by 1024 (1 kB blocks, 32-block memory tier), disk tier off:
-    every byte fetched comes from the server."""
+    """Default settings scaled down by 1024 (1 kB blocks, 32-block memory tier): every byte
+    counted in ``bytes_fetched`` came from the server."""
     records = _cost_records()
     path = _file("jsonl", records)
     url = s3_server.upload(path, "blocks/cost.jsonl")
     source = remote_source(
-        "jsonl", url, s3_server.options, tmp_path, block_bytes=1024, cache_bytes=32 << 10, disk_cache_bytes=0
+        "jsonl",
+        url,
+        s3_server.options,
+        tmp_path,
+        block_bytes=1024,
+        cache_bytes=32 << 10,
+        disk_cache_bytes=disk_cache_bytes,
     )
     assert sorted(ids(list(source.shuffle(SEED, block_size=shuffle_block)))) == list(range(len(records)))
     ratio = source.stats["bytes_fetched"] / os.path.getsize(path)
@@ -417,28 +400,7 @@ def _last_modified(key: str) -> Any:
     return s3_backends[DEFAULT_ACCOUNT_ID]["global"].buckets[BUCKET].keys[key].last_modified
 
 
-@pytest.mark.parametrize(
-    "kind",
-    [
-        "jsonl",
-        pytest.param(
-            "parquet",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="the fingerprint of a remote Parquet object is [url, size, mtime, footer digest]; "
-                "the ETag is not in it, and files.py check_state accepts equal digests whatever the mtime",
-            ),
-        ),
-        pytest.param(
-            "arrow",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="the fingerprint of a remote Arrow object is [url, size, mtime, IPC metadata digest]; "
-                "the ETag is not in it, and files.py check_state accepts equal digests whatever the mtime",
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("kind", KINDS)
 def test_an_object_replaced_with_the_same_size_and_edges_is_refused_on_restore(
     s3_server: S3Server, kind: str, tmp_path: Path
 ) -> None:

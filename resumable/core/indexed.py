@@ -123,6 +123,10 @@ class IndexedNode(Node[T]):
     def _read_ahead(self, indices: np.ndarray) -> None:
         """Leaf hook: the leaf records at ``indices`` will be read next; start fetching them."""
 
+    def _reserve_span(self, fraction: float) -> None:
+        """Leaf hook: readers go back and forth over about ``fraction`` of the records at a time
+        (a block shuffle's window): keep that much of the data cached."""
+
     def _record_fns(self) -> tuple[Callable[[Any], Any], ...]:
         """Per-record functions (maps) applied after decoding, from the leaf up to here."""
         if self.upstream is None:

@@ -29,6 +29,10 @@ class Leaf(Protocol):
         """The records at ``indices`` will be read next: start fetching them."""
         ...
 
+    def _reserve_span(self, fraction: float) -> None:
+        """Readers go back and forth over about ``fraction`` of the records: keep them cached."""
+        ...
+
     @property
     def skips_malformed(self) -> bool:
         """Whether iteration skips records the decoder rejects."""

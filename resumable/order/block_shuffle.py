@@ -233,6 +233,9 @@ class BlockShuffle(IndexedNode[T]):
         total = self._length(epoch)
         if self._sized is None or self._sized.total != total:
             self._sized = BlockLayout(total, self.window, block_size=int(self.block_size))
+            # A chunk of positions may straddle two windows: keep both windows' data cached. A
+            # window spans this fraction of the leaf's data even over a shard's stride.
+            self.leaf._reserve_span(min(1.0, 2 * self.window * int(self.block_size) / max(1, total)))
         return self._sized
 
     @property

@@ -18,6 +18,7 @@ changed is a ``SourceError``.
 from __future__ import annotations
 
 import os
+from functools import partial
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -34,7 +35,7 @@ from resumable.sources.blocks import (
     Blocks,
     fetch_pool,
 )
-from resumable.sources.files import NAME, Paths, WatchedFiles, reading
+from resumable.sources.files import NAME, Paths, WatchedFiles, reading, with_version
 from resumable.sources.parquet import group_take
 from resumable.sources.remote import FRESH_SECONDS, resolve
 from resumable.sources.source import FileSource, PathSource
@@ -85,6 +86,12 @@ def _read_batches(path: str, kind: str, reader: BlockReader | None) -> list[pa.R
             source.seek(0)
             return list(pa.ipc.open_stream(source))
         return [reader_.get_batch(i) for i in range(reader_.num_record_batches)]
+
+
+def _versioned_ipc_digest(reader: BlockReader, version: str) -> str:
+    """``ipc_digest`` of a remote object (read through the block caches) with its version."""
+    with reading(f"{reader.kind}: {reader.name!r} is neither an Arrow IPC file nor an Arrow IPC stream"):
+        return with_version(file_ipc_digest(pa.BufferReader(_object_buffer(reader))), version)
 
 
 def _object_buffer(reader: BlockReader) -> pa.Buffer:
@@ -157,9 +164,7 @@ class ArrowSource(PathSource[dict[str, Any]]):
             per_file = []
             for file, (path, (info, handle)) in enumerate(zip(self.paths, heads)):
                 reader = self._readers[file] = self._blocks.reader(remote, path, info, self.kind, handle)
-                with reading(f"{self.kind}: {path!r} is neither an Arrow IPC file nor an Arrow IPC stream"):
-                    digest = file_ipc_digest(pa.BufferReader(_object_buffer(reader)))
-                fingerprints.append([path, info.size, info.mtime_ns, digest])
+                fingerprints.append([path, info.size, info.mtime_ns, _versioned_ipc_digest(reader, info.version)])
                 per_file.append(_read_batches(path, self.kind, reader))
             digest_hook = remote.digest(object_ipc_digest, self.kind)
             self._files = WatchedFiles(self.kind, fingerprints, digest_hook, remote.stat, fresh_for=FRESH_SECONDS)
@@ -214,8 +219,9 @@ class ArrowSource(PathSource[dict[str, Any]]):
         reader = self._readers[file]
         if reader is None:
             info, handle = remote.head(self.paths[file], self.kind)
-            self._files.confirm(file, info.size, info.mtime_ns, lambda: None)
-            reader = self._readers[file] = self._blocks.reader(remote, self.paths[file], info, self.kind, handle)
+            reader = self._blocks.reader(remote, self.paths[file], info, self.kind, handle)
+            self._files.confirm(file, info.size, info.mtime_ns, partial(_versioned_ipc_digest, reader, info.version))
+            self._readers[file] = reader
         return reader
 
     def _raw_range(self, start: int, count: int) -> Sequence[dict[str, Any]]:

@@ -49,6 +49,8 @@ REQUEST_BLOCKS = 16
 """Most consecutive missing blocks fetched by one ranged read."""
 FETCH_THREADS = 8
 """Threads per process fetching blocks (reads of one call in parallel, and read-ahead)."""
+MAX_RESERVED_BYTES = 256 << 20
+"""Most bytes a block shuffle may make the memory tier of a source hold (``Blocks.reserve``)."""
 READ_AHEAD_SHARE = 2
 """Read-ahead keeps at most ``1 / READ_AHEAD_SHARE`` of the memory tier in flight, so that the
 blocks it fetches are still cached when the consumer reaches them."""
@@ -128,6 +130,18 @@ class Blocks:
         self._readers.add(reader)
         return reader
 
+    def reserve(self, nbytes: int) -> None:
+        """Let the memory tier grow to hold ``nbytes`` (at most ``MAX_RESERVED_BYTES``): a block
+        shuffle reserves two windows of its reads, so that the blocks of a window, touched by
+        several chunks of the cursor, are fetched once."""
+        wanted = min(nbytes, MAX_RESERVED_BYTES) // self.options.block_bytes + 1
+        self.capacity = max(self.capacity, wanted)
+
+    def _trim(self) -> None:
+        """Evict least recently used blocks beyond the capacity (the lock held)."""
+        while len(self._memory) > self.capacity:
+            self._memory.popitem(last=False)
+
     def _after_fork(self) -> None:
         """In a forked child: no thread of the parent runs here, so its locks may be held for
         ever and its fetches never finish; the parent's open files are not to be shared."""
@@ -140,10 +154,11 @@ class Blocks:
             reader._open_lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"options": self.options}
+        return {"options": self.options, "capacity": self.capacity}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["options"])  # type: ignore[misc]
+        self.capacity = state["capacity"]
 
 
 class BlockReader:
@@ -241,7 +256,19 @@ class BlockReader:
             return {}
         for future in [fetch[2] for fetch in fetches] + waits:
             found.update(future.result())
+        self._touch_in_order(needed, found)
         return found
+
+    def _touch_in_order(self, needed: list[int], found: dict[int, bytes]) -> None:
+        """Make the blocks of a read the most recently used, in file order, whatever order its
+        parallel runs finished in: the last blocks of a sequential read, where the next read
+        starts, are then the last to be evicted."""
+        tiers = self.blocks
+        with tiers._lock:
+            for block in needed[-tiers.capacity :]:
+                tiers._memory[(self.key, block)] = found[block]
+                tiers._memory.move_to_end((self.key, block))
+            tiers._trim()
 
     def _load(self, first: int, stop: int, future: Future[dict[int, bytes]]) -> None:
         """Blocks ``first`` up to ``stop``: from the disk tier, the rest by ranged reads (stored
@@ -296,8 +323,7 @@ class BlockReader:
             for block, data in loaded.items():
                 tiers._memory[(self.key, block)] = data
                 tiers._memory.move_to_end((self.key, block))
-            while len(tiers._memory) > tiers.capacity:
-                tiers._memory.popitem(last=False)
+            tiers._trim()
             tiers.disk_hits += hits
             tiers.bytes_fetched += fetched
             tiers.requests += requests

@@ -40,6 +40,11 @@ Stat = Callable[[str, str], tuple[int, int]]
 """``(size, mtime_ns)`` of the file at a path (the second argument: the source kind, for errors);
 ``SourceError`` when it is gone or unreadable. Local files by default, objects for remote ones."""
 
+VERSION_SEPARATOR = "|"
+"""In a remote object's digest, between the content digest and the object's version (its ETag):
+``content|etag:...``. Two remote digests must agree whole; a local one and a remote one only on
+the content (a state saved over a local copy restores over the uploaded object)."""
+
 NAME, SIZE, MTIME_NS, DIGEST = range(4)
 """Positions of a fingerprint's entries."""
 LEGACY_FINGERPRINT_LENGTH = 3
@@ -246,7 +251,7 @@ class WatchedFiles:
             old = _parse(saved_file, path)
             if os.path.basename(old[NAME]) != os.path.basename(now[NAME]):
                 raise StateError(f"{path}: state was saved over file {old[NAME]!r} where this source has {now[NAME]!r}")
-            same_digest = old[DIGEST] is not None and old[DIGEST] == now[DIGEST]
+            same_digest = same_content(old[DIGEST], now[DIGEST])
             known_other = old[DIGEST] is not None and now[DIGEST] is not None and not same_digest
             if old[SIZE] == now[SIZE] and not known_other and (old[MTIME_NS] == now[MTIME_NS] or same_digest):
                 continue
@@ -261,6 +266,21 @@ class WatchedFiles:
                 "restore that file (cp -p and rsync -a keep mtimes), or build the pipeline over the new data "
                 "without restoring this state"
             )
+
+
+def with_version(content: str | None, version: str) -> str:
+    """A remote object's digest: its content digest and its version (``VERSION_SEPARATOR``)."""
+    return f"{content}{VERSION_SEPARATOR}{version}"
+
+
+def same_content(old: str | None, new: str | None) -> bool:
+    """Whether two digests name the same content: equal, or, where only one of them carries an
+    object version, equal content digests."""
+    if old is None or new is None:
+        return False
+    if (VERSION_SEPARATOR in old) == (VERSION_SEPARATOR in new):
+        return old == new
+    return old.split(VERSION_SEPARATOR, 1)[0] == new.split(VERSION_SEPARATOR, 1)[0]
 
 
 def _parse(saved: Any, path: str) -> Fingerprint:

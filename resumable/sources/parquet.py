@@ -15,6 +15,7 @@ import os
 import struct
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any, BinaryIO, Callable, Mapping, Sequence
 
 import numpy as np
@@ -33,7 +34,7 @@ from resumable.sources.blocks import (
     Blocks,
     fetch_pool,
 )
-from resumable.sources.files import Paths, WatchedFiles, reading
+from resumable.sources.files import Paths, WatchedFiles, reading, with_version
 from resumable.sources.remote import FRESH_SECONDS, Remote, resolve
 from resumable.sources.source import PathSource
 
@@ -135,7 +136,7 @@ class ParquetSource(PathSource[dict[str, Any]]):
                 for path, (info, handle) in zip(self.paths, heads)
             ]
             fingerprints = [
-                [path, info.size, info.mtime_ns, block_footer_digest(reader)]
+                [path, info.size, info.mtime_ns, versioned_footer_digest(reader, info.version)]
                 for path, (info, _), reader in zip(self.paths, heads, self._readers)
             ]
             digest = remote.digest(file_footer_digest, self.kind)
@@ -201,7 +202,7 @@ class ParquetSource(PathSource[dict[str, Any]]):
         if reader is None:
             info, handle = remote.head(self.paths[file], self.kind)
             reader = self._blocks.reader(remote, self.paths[file], info, self.kind, handle)
-            self._files.confirm(file, info.size, info.mtime_ns, lambda: block_footer_digest(reader))
+            self._files.confirm(file, info.size, info.mtime_ns, partial(versioned_footer_digest, reader, info.version))
             self._readers[file] = reader
         return reader
 
@@ -335,12 +336,12 @@ def footer_digest(path: str) -> str | None:
         return file_footer_digest(handle)
 
 
-def block_footer_digest(reader: BlockReader | None) -> str | None:
-    """``footer_digest`` of a remote object, read through its block reader."""
+def versioned_footer_digest(reader: BlockReader | None, version: str) -> str | None:
+    """``footer_digest`` of a remote object, read through its block reader, with its version."""
     if reader is None:
         return None
     with reading(f"{reader.kind}: cannot read {reader.name!r} as Parquet"):
-        return file_footer_digest(BlockFile(reader))
+        return with_version(file_footer_digest(BlockFile(reader)), version)
 
 
 def file_footer_digest(handle: BinaryIO | pa.NativeFile) -> str | None:

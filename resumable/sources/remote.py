@@ -33,7 +33,15 @@ import pyarrow.fs as pafs
 import xxhash
 
 from resumable.errors import ConfigError, SourceError
-from resumable.sources.files import READ_ERRORS, URL_SCHEME, Digest, Paths, expand_paths, read_error
+from resumable.sources.files import (
+    READ_ERRORS,
+    URL_SCHEME,
+    Digest,
+    Paths,
+    expand_paths,
+    read_error,
+    with_version,
+)
 
 R = TypeVar("R")
 
@@ -181,7 +189,8 @@ class Remote:
         return f"{digest.intdigest():016x}"
 
     def digest(self, file_digest: Callable[[pa.NativeFile], Optional[str]], kind: str) -> Digest:
-        """The ``Digest`` hook reading objects of this filesystem with ``file_digest``."""
+        """The ``Digest`` hook reading objects of this filesystem with ``file_digest``, each
+        digest carrying the object's version (``files.with_version``)."""
         return partial(_object_digest, self, file_digest, kind)
 
     def _info(self, name: str, kind: str) -> pafs.FileInfo:
@@ -229,8 +238,10 @@ class Remote:
 def _object_digest(
     remote: Remote, file_digest: Callable[[pa.NativeFile], Optional[str]], kind: str, name: str
 ) -> Optional[str]:
-    with remote.open(name, kind) as handle:
-        return file_digest(handle)
+    """``file_digest`` of the object with its version (``with_version``)."""
+    info, handle = remote.head(name, kind)
+    with handle:
+        return with_version(file_digest(handle), info.version)
 
 
 def object_path(name: str) -> str:

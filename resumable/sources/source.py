@@ -95,3 +95,8 @@ class PathSource(FileSource[T]):
         if self._remote is not None:
             stats.update(self._blocks.stats, retries=self._remote.retries)
         return stats
+
+    def _reserve_span(self, fraction: float) -> None:
+        if self._remote is not None:
+            total = sum(self._files.size(file) for file in range(len(self.paths)))
+            self._blocks.reserve(int(fraction * total) + 2 * len(self.paths) * self._blocks.options.block_bytes)

@@ -5,7 +5,7 @@ bounded strategy groups into rows, and every piece still held is saved by refere
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, cast
 
 from resumable.core.keys import RecordKey
 from resumable.core.state import ENDED, require
@@ -19,12 +19,14 @@ from resumable.pack._entries import (
     OPEN_SIZES,
     READY,
     READY_SIZES,
+    RESERVED,
     SPAN,
     STATS,
 )
-from resumable.pack._pieces import Piece, Refetcher, count_row, grouped, piece, untraceable
+from resumable.pack._pieces import Piece, Refetcher, count_row, grouped, is_count, piece, untraceable
 from resumable.pack.rows import Segment
 from resumable.pack.strategies import Packer, Row
+from resumable.sources.stream import JsonlStream
 
 if TYPE_CHECKING:
     from resumable.core.node import Node
@@ -53,6 +55,8 @@ class BufferedRows:
         self._span: Piece | None = None
         self._inherited: deque[Piece] = deque()
         self._exhausted = False
+        # After a restore: fetches the records of restored pieces as their rows are handed out.
+        self._fetcher: Refetcher | None = None
         # Per origin (mix components): the epochs where the current run of documents without
         # tokens began and where it is now.
         self._barren: dict[RecordKey, list[int]] = {}
@@ -65,7 +69,9 @@ class BufferedRows:
             if self._span is not None:
                 return self._emit_span(self._span)
             if self._ready:
-                return self._emit(self._ready.popleft())
+                segments = self._emit(self._ready[0])  # a failed fetch leaves the row ready
+                self._ready.popleft()
+                return segments
             if self._exhausted:
                 raise StopIteration
             self._pull()
@@ -75,7 +81,9 @@ class BufferedRows:
         if self._inherited:
             held = self._inherited.popleft()
             full = held.start + (held.end - held.start) // self._seq_len * self._seq_len
-            self._add(held.key, held.start, full, held.end, held.document)
+            added = self._add(held.key, held.start, full, held.end, held.document, held.extra)
+            if held.document is None and self._fetcher is not None:  # its pieces wait for the record now
+                self._fetcher.hold(held.key, added - 1)
             return
         upstream, documents = self._upstream, self._documents
         try:
@@ -95,19 +103,26 @@ class BufferedRows:
         self._barren.clear()
         self._add(key, 0, full, end, document)
 
-    def _add(self, key: RecordKey, start: int, full: int, end: int, document: Document) -> None:
+    def _add(
+        self, key: RecordKey, start: int, full: int, end: int, document: Document | None, extra: int | None = None
+    ) -> int:
         """Tokens ``[start, full)`` of a record make whole rows of their own, ``[full, end)``
-        one piece for the strategy (placed by its cost)."""
+        one piece for the strategy (placed by its cost); return how many pieces were made.
+        ``document`` is None for an inherited piece not fetched yet, whose ``extra`` is known."""
+        added = 0
         if full > start:  # held by the strategy, which lets them leave in step with the pieces
             item = self._next_id
             self._next_id = item + 1
-            self._pieces[item] = piece(key, start, full, document)
+            self._pieces[item] = piece(key, start, full, document, extra)
             self._ready.extend(self._packer.add_whole(item, (full - start) // self._seq_len))
+            added += 1
         if end > full:
             item = self._next_id
             self._next_id = item + 1
-            held = self._pieces[item] = piece(key, full, end, document)
+            held = self._pieces[item] = piece(key, full, end, document, extra)
             self._ready.extend(self._packer.add(item, held.cost))
+            added += 1
+        return added
 
     def _check_barren(self, key: RecordKey) -> None:
         """Fail instead of spinning forever when a whole upstream epoch gives no tokens (every
@@ -140,19 +155,33 @@ class BufferedRows:
             node = node.upstream
         return node
 
+    def _documents_of(self, held: list[Piece]) -> list[Document]:
+        """The documents of a row's pieces, fetching those a restore left unfetched."""
+        if self._fetcher is None:
+            return cast("list[Document]", [part.document for part in held])
+        return self._fetcher.documents(held)
+
     def _emit_span(self, span: Piece) -> list[Segment]:
         """The next whole row of a long document."""
+        (document,) = self._documents_of([span])
         stop = span.start + self._seq_len
-        self._span = piece(span.key, stop, span.end, span.document) if stop < span.end else None
-        segments = [Segment(span.document, span.start, stop)]
+        self._span = piece(span.key, stop, span.end, document) if stop < span.end else None
+        segments = [Segment(document, span.start, stop)]
         count_row(self.counts, segments, self._seq_len)
         return segments
 
     def _emit(self, row: Row) -> list[Segment]:
         pieces = self._pieces
-        if pieces[row[0]].end - pieces[row[0]].start > self._seq_len:  # whole rows: the first of them
-            return self._emit_span(pieces.pop(row[0]))
-        segments = [pieces.pop(item).segment() for item in row]
+        first = pieces[row[0]]
+        if first.end - first.start > self._seq_len:  # whole rows: the first of them
+            segments = self._emit_span(first)
+            del pieces[row[0]]
+            return segments
+        held = [pieces[item] for item in row]
+        documents = self._documents_of(held)  # before anything changes: a failed fetch leaves the row
+        for item in row:
+            del pieces[item]
+        segments = [Segment(document, part.start, part.end) for document, part in zip(documents, held)]
         count_row(self.counts, segments, self._seq_len)
         return segments
 
@@ -175,10 +204,12 @@ class BufferedRows:
     # -- state -------------------------------------------------------------------------------
 
     def progress(self) -> dict[str, Any]:
-        """Every piece held, by reference, grouped as the strategy and the ready rows hold them."""
+        """Every piece held, by reference, grouped as the strategy and the ready rows hold them;
+        with a ``length_fn``, also the positions each piece's document reserves (``RESERVED``),
+        so a restore plans without fetching the records."""
         pieces = self._pieces
         groups = self._packer.groups()
-        return {
+        progress = {
             OPEN: [pieces[item].ref for group in groups for item in group],
             OPEN_SIZES: [len(group) for group in groups],
             READY: [pieces[item].ref for row in self._ready for item in row],
@@ -188,31 +219,59 @@ class BufferedRows:
             EXHAUSTED: self._exhausted,
             STATS: dict(self.counts),
         }
+        if self._documents.length_fn is not None:
+            progress[RESERVED] = [held.extra for held in self._in_state_order()]
+        return progress
+
+    def _in_state_order(self) -> Iterator[Piece]:
+        """Every piece held, in the order of the references in ``progress``."""
+        pieces = self._pieces
+        for group in self._packer.groups():
+            yield from (pieces[item] for item in group)
+        for row in self._ready:
+            yield from (pieces[item] for item in row)
+        if self._span is not None:
+            yield self._span
+        yield from self._inherited
 
     @classmethod
     def restored(
         cls, pack: Pack, packer: Packer, state: dict[str, Any], path: str, counts: dict[str, int]
     ) -> BufferedRows:
-        """The rows ``state`` saved, its pieces fetched again from the upstream in one call and
-        checked against their records, placed in the empty strategy ``packer``."""
+        """The rows ``state`` saved, its pieces placed in the empty strategy ``packer``.
+
+        Planning needs only each piece's cost: its token range, and with a ``length_fn`` the
+        positions saved under ``RESERVED``. So the records are fetched again only as their rows
+        are handed out, and a restore costs no map call, whatever the buffer holds. A state
+        without ``RESERVED`` from a packer with a ``length_fn`` (saved before it existed), and
+        an upstream that reads a stream front to back (a fetch per row would read it again
+        each time), fetch every record now, in one call, as before."""
         seq_len = pack.seq_len
         open_groups = grouped(state, OPEN, OPEN_SIZES, path)
         ready_rows = grouped(state, READY, READY_SIZES, path)
         span_ref = require(state, SPAN, list, path)
         exhausted = require(state, EXHAUSTED, bool, path)
-
         inherited_refs = require(state, INHERITED, list, path)
-        fetcher = Refetcher(pack.upstream.fetch_many, pack._documents.read, path)
-        fetcher.fetch(
+        entries = (
             [(entry, OPEN) for group in open_groups for entry in group]
             + [(entry, READY) for row in ready_rows for entry in row]
             + ([(span_ref, SPAN)] if span_ref else [])
             + [(entry, INHERITED) for entry in inherited_refs]
         )
+        fetcher = Refetcher(pack.upstream.fetch_many, pack._documents.read, path)
+        reserved = _reserved(state, len(entries), pack.length_fn is not None, path)
+        lazy = reserved is not None and not _reads_streams(pack.upstream)
+        extras = iter(reserved or ())
+        if not lazy:
+            fetcher.fetch(entries)
+
+        def make(entry: Any, where: str) -> Piece:
+            return fetcher.lazy(entry, where, next(extras)) if lazy else fetcher.piece(entry, where)
+
         pieces: dict[int, Piece] = {}
 
         def load(entry: Any, where: str) -> int:
-            loaded = fetcher.piece(entry, where)
+            loaded = make(entry, where)
             if loaded.cost > seq_len and loaded.cost % seq_len:
                 raise StateError(f"{path}: {where} piece {entry} is longer than seq_len={seq_len}, not whole rows")
             item = len(pieces)
@@ -229,10 +288,10 @@ class BufferedRows:
             ready.append(items)
         span = None
         if span_ref:
-            span = fetcher.piece(span_ref, SPAN)
+            span = make(span_ref, SPAN)
             if (span.end - span.start) % seq_len:
                 raise StateError(f"{path}: {SPAN} {span_ref} is not a whole number of rows of {seq_len}")
-        inherited = deque(fetcher.piece(entry, INHERITED) for entry in inherited_refs)
+        inherited = deque(make(entry, INHERITED) for entry in inherited_refs)
 
         try:
             packer.restore([[(item, pieces[item].cost) for item in group] for group in groups])
@@ -242,6 +301,7 @@ class BufferedRows:
         rows._pieces, rows._next_id = pieces, len(pieces)
         rows._ready, rows._span, rows._exhausted = ready, span, exhausted
         rows._inherited = inherited
+        rows._fetcher = fetcher if lazy and entries else None
         return rows
 
     @staticmethod
@@ -251,16 +311,49 @@ class BufferedRows:
         """A fresh epoch state holding this consumer's share of every old consumer's pieces,
         dealt out one by one."""
         pieces: list[Any] = []
+        reserved: list[int] | None = []  # None once an old state does not say (saved before RESERVED)
         for old in olds:
             pack._check_config(old, path)
-            pieces.extend(require(old, INHERITED, list, path))
+            open_refs, ready_refs = require(old, OPEN, list, path), require(old, READY, list, path)
             span = require(old, SPAN, list, path)
+            inherited = require(old, INHERITED, list, path)
+            pieces.extend(inherited)
             if span:
                 pieces.append(span)
-            pieces.extend(require(old, READY, list, path))
-            pieces.extend(require(old, OPEN, list, path))
+            pieces.extend(ready_refs)
+            pieces.extend(open_refs)
+            counts = (len(open_refs), len(ready_refs), 1 if span else 0, len(inherited))
+            extras = _reserved(old, sum(counts), pack.length_fn is not None, path)
+            if extras is None or reserved is None:
+                reserved = None
+                continue
+            parts, at = [], 0  # RESERVED holds open, ready, span, inherited: dealt in the reverse order
+            for count in counts:
+                parts.append(extras[at : at + count])
+                at += count
+            reserved.extend(extra for part in reversed(parts) for extra in part)
         state = pack._header()
         sizes = [len(group) for group in pack._new_packer(1).groups()]  # an empty strategy's (format) groups
         state.update({OPEN: [], OPEN_SIZES: sizes, READY: [], READY_SIZES: [], SPAN: [], EXHAUSTED: False})
         state.update({INHERITED: pieces[consumer::num_consumers], STATS: dict.fromkeys(COUNTERS, 0), ENDED: False})
+        if pack.length_fn is not None and reserved is not None:
+            state[RESERVED] = reserved[consumer::num_consumers]
         return state
+
+
+def _reserved(state: dict[str, Any], count: int, length_fn: bool, path: str) -> list[int] | None:
+    """The positions each of the ``count`` saved pieces reserves (all 0 without a
+    ``length_fn``), or None where the state does not say (saved before ``RESERVED`` existed)."""
+    if not length_fn:
+        return [0] * count
+    if RESERVED not in state:
+        return None
+    reserved = require(state, RESERVED, list, path)
+    if len(reserved) != count or not all(is_count(value) for value in reserved):
+        raise StateError(f"{path}: state entry {RESERVED!r} must hold {count} counts >= 0, one per piece")
+    return cast("list[int]", reserved)
+
+
+def _reads_streams(upstream: Node[Any]) -> bool:
+    """Whether the records come from a stream source, which reads its files front to back."""
+    return any(isinstance(node, JsonlStream) for node in upstream._subtree())

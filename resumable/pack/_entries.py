@@ -24,6 +24,9 @@ READY = "ready"
 READY_SIZES = "ready_sizes"
 SPAN = "span"
 EXHAUSTED = "exhausted"
+# With a ``length_fn``: the positions each piece's document reserves beyond its tokens, one per
+# reference in the order open, ready, span, inherited, so a restore plans without the records.
+RESERVED = "reserved"
 # Pieces handed over by other consumers in an elastic rescale, packed before the upstream's.
 INHERITED = "inherited"
 # Progress of a whole-epoch plan (``strategy="bfd"`` without ``buffer_size``); the epoch is the

@@ -17,12 +17,17 @@ PIECE_FIELDS = 4
 
 
 class Piece(NamedTuple):
-    """Tokens ``[start, end)`` of a buffered record, and its reference for the state."""
+    """Tokens ``[start, end)`` of a buffered record, and its reference for the state.
+
+    ``document`` is None for a piece restored from a state until its row is handed out (the
+    record is fetched again then, see ``Refetcher``): planning needs only the piece's cost,
+    which the reference and ``extra`` give."""
 
     start: int
     end: int
-    document: Document
+    document: Document | None
     ref: list[Any]  # [*key, start, end], built once: get_state shares it, nothing changes it
+    extra: int = 0  # positions the document reserves beyond its tokens (``length_fn``)
 
     @property
     def key(self) -> RecordKey:
@@ -31,15 +36,14 @@ class Piece(NamedTuple):
     @property
     def cost(self) -> int:
         """Positions the piece takes in a row: its tokens and its document's reserved ones."""
-        return self.end - self.start + self.document.extra
-
-    def segment(self) -> Segment:
-        return Segment(self.document, self.start, self.end)
+        return self.end - self.start + self.extra
 
 
-def piece(key: RecordKey, start: int, end: int, document: Document) -> Piece:
-    """Tokens ``[start, end)`` of the record ``key``, with its reference."""
-    return Piece(start, end, document, [*key, start, end])
+def piece(key: RecordKey, start: int, end: int, document: Document | None, extra: int | None = None) -> Piece:
+    """Tokens ``[start, end)`` of the record ``key``, with its reference; ``extra`` defaults to
+    the document's reserved positions (it must be given for a piece not fetched yet)."""
+    reserved = extra if extra is not None else document.extra if document is not None else 0
+    return Piece(start, end, document, [*key, start, end], reserved)
 
 
 def count_row(counts: dict[str, int], segments: list[Segment], seq_len: int) -> None:
@@ -49,9 +53,14 @@ def count_row(counts: dict[str, int], segments: list[Segment], seq_len: int) -> 
 
 
 class Refetcher:
-    """Turns saved piece references back into pieces, fetching each record once, all of them in
-    one ``fetch_many`` call (a stream then reads each file once, in offset order); ``read`` turns
-    a record into a ``Document``."""
+    """Turns saved piece references back into pieces and fetches their records again, each
+    record once per call of ``fetch_many`` (a stream then reads each file once, in offset
+    order); ``read`` turns a record into a ``Document``.
+
+    Eagerly (``piece``), every record is fetched in one call while the state is loaded. Lazily
+    (``hold``, then ``documents`` as rows are handed out), only the records of the row about to
+    be handed out are fetched, each checked against its pieces then; a record is kept only
+    while a piece not handed out still needs it."""
 
     def __init__(
         self,
@@ -63,8 +72,9 @@ class Refetcher:
         self._read = read
         self._path = path
         self._records: dict[RecordKey, Document] = {}
+        self._waiting: dict[RecordKey, int] = {}  # pieces not fetched yet, per record
 
-    def _ref(self, entry: Any, where: str) -> tuple[RecordKey, int, int]:
+    def parse(self, entry: Any, where: str) -> tuple[RecordKey, int, int]:
         """``(key, token_start, token_end)`` of a saved reference ``[*key, start, end]``: the key
         is an epoch and a record index, behind the names of the mix components it came through."""
         if (
@@ -73,7 +83,10 @@ class Refetcher:
             and all(is_count(value) for value in entry[-PIECE_FIELDS:])
             and all(isinstance(name, str) for name in entry[:-PIECE_FIELDS])
         ):
-            return tuple(entry[:-2]), entry[-2], entry[-1]
+            key, start, end = tuple(entry[:-2]), entry[-2], entry[-1]
+            if start < end:
+                return key, start, end
+            raise StateError(f"{self._path}: {where} entry {entry} is an empty token range")
         raise StateError(
             f"{self._path}: {where} entry {short_repr(entry)} is not "
             "[epoch, record, token_start, token_end] of ints >= 0 (behind mix component names, after a mix)"
@@ -81,8 +94,10 @@ class Refetcher:
 
     def fetch(self, entries: list[tuple[Any, str]]) -> None:
         """Fetch the records of ``(entry, where)`` references not fetched yet, in one call."""
-        keys = list(dict.fromkeys(self._ref(entry, where)[0] for entry, where in entries))
-        keys = [key for key in keys if key not in self._records]
+        self._fetch([self.parse(entry, where)[0] for entry, where in entries])
+
+    def _fetch(self, wanted: Sequence[RecordKey]) -> None:
+        keys = [key for key in dict.fromkeys(wanted) if key not in self._records]
         if not keys:
             return
         try:
@@ -93,15 +108,56 @@ class Refetcher:
             raise StateError(f"{self._path}: the buffered records cannot be fetched again: {exc}") from exc
 
     def piece(self, entry: Any, where: str) -> Piece:
-        key, start, end = self._ref(entry, where)
-        self.fetch([(entry, where)])
+        """The piece ``entry`` names, its record fetched now and checked."""
+        key, start, end = self.parse(entry, where)
+        self._fetch([key])
         document = self._records[key]
-        if not start < end <= len(document.tokens):
+        self._check(key, start, end, document, document.extra, where)
+        return piece(key, start, end, document)
+
+    def lazy(self, entry: Any, where: str, extra: int) -> Piece:
+        """The piece ``entry`` names, reserving ``extra`` positions, its record not fetched yet."""
+        key, start, end = self.parse(entry, where)
+        self.hold(key)
+        return piece(key, start, end, None, extra)
+
+    def hold(self, key: RecordKey, count: int = 1) -> None:
+        """``count`` more pieces of record ``key`` (or fewer, if negative) wait for it."""
+        waiting = self._waiting.get(key, 0) + count
+        if waiting > 0:
+            self._waiting[key] = waiting
+        else:
+            self._waiting.pop(key, None)
+            self._records.pop(key, None)
+
+    def documents(self, pieces: Sequence[Piece]) -> list[Document]:
+        """The documents of ``pieces`` (a row about to be handed out): those not fetched yet in one
+        call, checked against their pieces (a record that changed since the state was saved is a
+        StateError); a record no other piece waits for is then let go."""
+        self._fetch([held.key for held in pieces if held.document is None])
+        documents = []
+        for held in pieces:
+            document = held.document
+            if document is None:
+                document = self._records[held.key]
+                self._check(held.key, held.start, held.end, document, held.extra, "a buffered")
+            documents.append(document)
+        for held in pieces:
+            if held.document is None:
+                self.hold(held.key, -1)
+        return documents
+
+    def _check(self, key: RecordKey, start: int, end: int, document: Document, extra: int, where: str) -> None:
+        if end > len(document.tokens):
             raise StateError(
-                f"{self._path}: {where} entry {entry} is outside record {key_text(key)} of "
+                f"{self._path}: {where} entry {[*key, start, end]} is outside record {key_text(key)} of "
                 f"{len(document.tokens)} tokens (did the data change?)"
             )
-        return piece(key, start, end, document)
+        if document.extra != extra:
+            raise StateError(
+                f"{self._path}: record {key_text(key)} reserves {document.extra} positions, the state "
+                f"saved {extra} (did the data change?)"
+            )
 
 
 def grouped(state: Mapping[str, Any], key: str, sizes_key: str, path: str) -> list[list[Any]]:

@@ -5,9 +5,11 @@ JSON, a torch checkpoint, a ``torch.distributed.checkpoint`` directory, or a dir
 per-rank files) and prints, per rank and DataLoader worker, the epoch, position and progress,
 then the options and counters of every node, and the files involved.
 
-A Loader state holds each worker's pipeline state as of its last snapshot; the report says
-how many batches were handed out since, and, given the function that builds the pipeline,
-replays them so that every position is the one as of the last batch handed out.
+A Loader state holds each worker's pipeline state as of the last batch handed out (workers hand
+it over with every batch), so the report is exact as it is. A state saved by an earlier
+version, whose workers did so every few batches, may count batches handed out after their
+snapshot: the report says how many, and, given the function that builds the pipeline, advances
+the workers by them so that every position is the one as of the last batch handed out.
 """
 
 from __future__ import annotations
@@ -116,8 +118,9 @@ def _unreadable(path: str, what: str, error: Exception) -> StateError:
 def find_states(source: str, obj: Any, build: PipelineFactory | None = None) -> Iterator[Found]:
     """Every pipeline state inside ``obj``, with rank and worker when a Loader state holds it.
 
-    With ``build`` (the function that builds the pipeline), each DataLoader worker's state is
-    advanced from its snapshot to the last batch handed out. Searched in order, without
+    With ``build`` (the function that builds the pipeline), each DataLoader worker's state in a
+    Loader state saved by an earlier version is advanced from its snapshot to the last batch
+    handed out. Searched in order, without
     recursion: a checkpoint may nest deeper than Python's stack.
     """
     pending = [obj]
@@ -223,7 +226,8 @@ def _loader_lines(loader: LoaderState, replayed: bool) -> list[str]:
     else:
         lines.append(
             f"  worker positions as of the workers' snapshot at batch {snapshot:,}, not counting the {since:,} "
-            "batches handed out since (pass --pipeline MODULE:FUNCTION to replay them)"
+            "batches handed out since (a state saved by an earlier version; pass --pipeline MODULE:FUNCTION to "
+            "replay them)"
         )
     return lines
 

@@ -3,7 +3,11 @@
 A Loader state is ``{"format", "epoch", "rank", "world_size", "num_workers",
 "snapshot_every_n_steps", "loader"}``, where ``loader`` is torchdata's StatefulDataLoader
 state: each worker's pipeline state (one JSON string, with the epoch of the worker's pass)
-as of its last snapshot, and the batches handed out since. torchdata reads that part with
+as of its last snapshot, and the batches handed out since. The Loader takes a snapshot with
+every batch, so its states count none and ``snapshot_every_n_steps`` is always 1; states saved
+by earlier versions, which snapshotted every few batches (16 by default), may count up to that
+interval minus one, and still load: torchdata advances the workers by them on restore,
+``resumable.torch.elastic`` before a rescale. torchdata reads that part with
 ``assert`` and bare indexing, so every field it or the Loader reads is checked here first,
 and a bad one raises ``StateError`` naming the rank, worker and field.
 
@@ -65,7 +69,7 @@ PASS_EPOCH = "epoch"
 # than count past it, so every state it saves loads again: far above any real run, and far
 # below int64, so that torch never overflows either.
 MAX_COUNT = 2**62
-# A restore replays up to this many batches minus one (rs.torch.Loader refuses more).
+# The largest snapshot interval an earlier version's state may record (it refused more).
 MAX_SNAPSHOT_EVERY = 10_000
 
 
@@ -75,8 +79,9 @@ class LoaderState:
 
     ``pipelines`` holds each worker's pipeline state (one, the main process's, without
     workers) as of its last snapshot; ``steps_since_snapshot`` batches were handed out after
-    it, round-robin from the worker after ``last_yielded_worker``. Without workers the
-    pipeline state is that of the last batch handed out and there is nothing since.
+    it, round-robin from the worker after ``last_yielded_worker``: none in a state of this
+    version, which snapshots with every batch, up to ``snapshot_every - 1`` in one saved by an
+    earlier version. Without workers the pipeline state is that of the last batch handed out.
     """
 
     state: dict[str, Any]

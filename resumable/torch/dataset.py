@@ -6,6 +6,7 @@ import json
 import os
 from typing import Any, Callable, Union, cast
 
+import orjson
 from torch.utils.data import IterableDataset, get_worker_info
 
 from resumable.core.node import Node
@@ -15,6 +16,16 @@ from resumable.ops.even import StoreRef, default_store, inherit_store, new_names
 from resumable.order.topology import distributed_rank, inherit_rank
 
 PipelineOrFactory = Union[Node[Any], Callable[[], Node[Any]]]
+
+
+def encode_state(state: dict[str, Any]) -> str:
+    """``state`` as compact JSON, through orjson: the worker encodes it with every batch, and
+    orjson takes a tenth of the time ``json.dumps`` does. Integers beyond 64 bits, which
+    orjson refuses, go through ``json.dumps``; both give JSON that loads to the same values."""
+    try:
+        return orjson.dumps(state).decode()
+    except orjson.JSONEncodeError:
+        return json.dumps(state, separators=(",", ":"))
 
 
 class WorkerIterator:
@@ -36,7 +47,7 @@ class WorkerIterator:
         return next(self.pipeline)
 
     def state_dict(self) -> dict[str, Any]:
-        return {PIPELINE: json.dumps(self.pipeline.get_state(), separators=(",", ":")), PASS_EPOCH: self.epoch}
+        return {PIPELINE: encode_state(self.pipeline.get_state()), PASS_EPOCH: self.epoch}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continue the saved pass: its pipeline state, and the epoch that pass started."""

@@ -1,12 +1,13 @@
 """Elastic resume for ``rs.torch.Loader``: every old rank's loader state in, this rank's
 workers' pipeline states out.
 
-A Loader state holds each worker's pipeline state as of its last *snapshot* and the number of
-batches handed out since (``snapshot_every_n_steps``). To know exactly where each old worker
-stopped, the old workers are replayed here from their snapshots, in the DataLoader's
-round-robin order (an exhausted worker is skipped), at most ``snapshot_every_n_steps - 1``
-batches in all per old rank. Then ``resumable.elastic`` splits what is left over this rank's
-new workers.
+A Loader state holds each worker's pipeline state as of the last batch handed out (workers hand
+it over with every batch), so the old consumers' states are read as they are, with nothing
+replayed, and ``resumable.elastic`` splits what is left over this rank's new workers.
+
+States saved by earlier versions, whose workers handed their state over every few batches, may
+count batches handed out after it; those are advanced here once (``handed_out_states``), at
+most ``snapshot_every_n_steps - 1`` batches per old rank, so such states still rescale exactly.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ def old_consumer_states(build: Callable[[], Node[Any]], olds: Sequence[LoaderSta
 def handed_out_states(build: Callable[[], Node[Any]], old: LoaderState) -> list[dict[str, Any]]:
     """Each worker's pipeline state (one without workers) as of the last batch handed out.
 
-    The snapshots are advanced by the ``steps_since_snapshot`` batches handed out after
-    them, in the DataLoader's round-robin order (an exhausted worker is skipped).
+    A state of this version is that already. One saved by an earlier version may count
+    ``steps_since_snapshot`` batches after its workers' snapshots: those are advanced here, in
+    the DataLoader's round-robin order (an exhausted worker is skipped).
     """
     workers = old.pipelines
     if not old.steps_since_snapshot:

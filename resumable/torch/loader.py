@@ -19,7 +19,6 @@ from resumable.loader_state import (
     FORMAT_NAME,
     LOADER,
     MAX_COUNT,
-    MAX_SNAPSHOT_EVERY,
     NUM_WORKERS,
     RANK,
     SNAPSHOT,
@@ -37,7 +36,9 @@ from resumable.torch._worker_signals import init_worker
 from resumable.torch.dataset import PipelineDataset, PipelineOrFactory
 from resumable.torch.elastic import factory_of, rescale_for_rank
 
-DEFAULT_SNAPSHOT_EVERY = 16
+EVERY_BATCH = 1
+"""Workers hand their pipeline state over with every batch: measured at the plain DataLoader's
+speed (docs/benchmarks.md), so a restore never replays batches and the state is exact at once."""
 
 
 class Loader(StatefulDataLoader):  # type: ignore[misc]  # torchdata is untyped (Any)
@@ -52,10 +53,10 @@ class Loader(StatefulDataLoader):  # type: ignore[misc]  # torchdata is untyped 
     that does not follow a ``load_state_dict`` starts a new epoch (a new shuffle order in every
     worker); after loading a state taken once an epoch had ended, ``iter()`` starts the next.
 
-    Workers send their pipeline state with every ``snapshot_every_n_steps``-th batch (16 by
-    default: taking it with every batch cost about 15% of throughput on 2 cores). A restore
-    starts from the last snapshot and replays the batches handed out since (at most 15),
-    so it is still exact and its cost stays bounded; 1 makes restores replay nothing.
+    Workers send their pipeline state with every batch, so the state is exact as it is: a
+    restore replays nothing, and ``python -m resumable inspect`` shows every worker's position as
+    of the last batch. ``snapshot_every_n_steps`` is deprecated: 1 is accepted, any other count
+    warns (``FutureWarning``) and is ignored.
 
     Workers ignore a SIGTERM that does not come from the trainer (``workers_ignore_sigterm``,
     Linux): a scheduler that preempts a job sends it to every process, and the trainer, not
@@ -79,16 +80,11 @@ class Loader(StatefulDataLoader):  # type: ignore[misc]  # torchdata is untyped 
         multiprocessing_context: Any = None,
         worker_init_fn: Callable[[int], None] | None = None,
         workers_ignore_sigterm: bool = True,
-        snapshot_every_n_steps: int = DEFAULT_SNAPSHOT_EVERY,
+        snapshot_every_n_steps: int = EVERY_BATCH,
     ) -> None:
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
             raise ConfigError(f"Loader: num_workers must be an int >= 0, got {num_workers!r}")
-        every = snapshot_every_n_steps
-        if isinstance(every, bool) or not isinstance(every, int) or not 1 <= every <= MAX_SNAPSHOT_EVERY:
-            raise ConfigError(
-                f"Loader: snapshot_every_n_steps must be an int in [1, {MAX_SNAPSHOT_EVERY}] (a restore replays "
-                f"up to that many batches minus one), got {every!r}"
-            )
+        _check_snapshot_every(snapshot_every_n_steps)
         dataset = pipeline if isinstance(pipeline, PipelineDataset) else PipelineDataset(pipeline)
         worker_init_fn = functools.partial(init_worker, worker_init_fn, ignore_others_sigterm=workers_ignore_sigterm)
         with warnings.catch_warnings():  # torchdata calls a deprecated torch function here
@@ -104,7 +100,7 @@ class Loader(StatefulDataLoader):  # type: ignore[misc]  # torchdata is untyped 
                 persistent_workers=persistent_workers,
                 multiprocessing_context=multiprocessing_context,
                 worker_init_fn=worker_init_fn,
-                snapshot_every_n_steps=snapshot_every_n_steps,
+                snapshot_every_n_steps=EVERY_BATCH,
             )
         self._epoch = 0  # the epoch of the current pass, or of the next one before any
         self._next_iter_advances = False  # whether the next iter() starts epoch _epoch + 1
@@ -119,9 +115,9 @@ class Loader(StatefulDataLoader):  # type: ignore[misc]  # torchdata is untyped 
         self.dataset.set_epoch(epoch)
         try:
             iterator = super().__iter__()
-        except StopIteration as error:  # torchdata's replay of the batches since the snapshot ran out
+        except StopIteration as error:  # an old state's batches since its snapshot ran out (_legacy_overrun)
             _torchdata.shut_down_half_built_iterators(error)
-            raise self._replay_overrun() from None
+            raise self._legacy_overrun() from None
         except BaseException as error:
             _torchdata.shut_down_half_built_iterators(error)
             raise
@@ -153,11 +149,12 @@ class Loader(StatefulDataLoader):  # type: ignore[misc]  # torchdata is untyped 
             raise StateError(f"Loader: epoch {self._epoch:,} is the last one a Loader state can count")
         return self._epoch + 1
 
-    def _replay_overrun(self) -> StateError:
+    def _legacy_overrun(self) -> StateError:
         """The error for a loaded state that counts more batches since its snapshot than the
-        workers hold: torchdata's replay of those batches ran out of data. The loaded state
-        stays as it was (and the half-started workers are stopped)."""
-        loaded = cast("dict[str, Any]", self._loaded)  # only a resumed state replays
+        workers hold. Only a state saved by an earlier version, which took worker states every
+        few batches, counts any: torchdata advances the workers by those batches on restore, and
+        here they ran out. The loaded state stays as it was (the half-started workers are stopped)."""
+        loaded = cast("dict[str, Any]", self._loaded)  # only a resumed state advances
         steps, snapshot = loaded[LOADER][STEPS_SINCE], loaded[LOADER][SNAPSHOT][SNAPSHOT_STEP]
         return StateError(
             f"Loader rank {loaded[RANK]}/{loaded[WORLD_SIZE]} at {LOADER}: the state counts more batches than its "
@@ -208,7 +205,7 @@ class Loader(StatefulDataLoader):  # type: ignore[misc]  # torchdata is untyped 
             RANK: rank,
             WORLD_SIZE: world_size,
             NUM_WORKERS: self.num_workers,
-            SNAPSHOT_EVERY: self.snapshot_every_n_steps,
+            SNAPSHOT_EVERY: EVERY_BATCH,  # kept, so that the previous version still reads these states
             LOADER: super().state_dict(),
         }
 
@@ -282,6 +279,20 @@ class Loader(StatefulDataLoader):  # type: ignore[misc]  # torchdata is untyped 
         self.next_iter_state = resume
         self.dataset.rescaled = rescaled
         self._epoch, self._next_iter_advances, self._loaded = epoch, next_iter_advances, loaded
+
+
+def _check_snapshot_every(every: Any) -> None:
+    """Accept the deprecated ``snapshot_every_n_steps``: 1 silently, another count with a
+    ``FutureWarning`` (a state now comes with every batch); anything else is a ConfigError."""
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ConfigError(f"Loader: snapshot_every_n_steps must be an int >= 1 (and is deprecated), got {every!r}")
+    if every != EVERY_BATCH:
+        warnings.warn(
+            f"Loader: snapshot_every_n_steps={every} is ignored and deprecated: workers now hand their state over "
+            "with every batch at no measurable cost, so restores replay nothing; drop the argument",
+            FutureWarning,
+            stacklevel=3,
+        )
 
 
 _OPEN_LOADERS: weakref.WeakSet[Loader] = weakref.WeakSet()

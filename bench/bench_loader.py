@@ -1,20 +1,29 @@
-"""End to end: JSONL -> shuffle -> shard -> byte tokenise -> pack(2048) -> batch(8), through
-``rs.torch.Loader`` with 2 workers, against the same pipeline in a plain torch DataLoader over
-a plain IterableDataset (no state, no snapshots), in one run.
+"""End to end through DataLoader workers: ``rs.torch.Loader`` with a state taken after every
+batch against a plain torch DataLoader over the same pipeline, in one run.
 
-    python bench/bench_loader.py [--batches 400] [--workers 2] [--repeats 3]
+Two pipelines over the same JSONL corpus:
 
-Prints batches/s of both and their ratio, and the cost of taking the loader's state every
-step as a fraction of that loop's step time.
+- ``tokens``: JSONL -> shuffle -> shard -> map(byte tokenise, cut to 512) -> batch(8);
+- ``packed``: JSONL -> shuffle -> shard -> map(byte tokenise) -> pack(2048, best_fit,
+  buffer_size=1000) -> batch(8), whose state holds a 1000-document buffer's references.
+
+The baseline is a plain ``torch.utils.data.DataLoader`` over a plain ``IterableDataset`` of the
+same pipeline, whose state is never taken. The Loader hands a state out with every batch and
+the loop calls ``state_dict()`` after every step. For each worker count the two loops
+alternate (which one goes first alternates too), ``--runs`` times; the ratio of each run is
+plain seconds / Loader seconds, and the table gives the medians.
+
+    python bench/bench_loader.py [--batches 400] [--workers 2 4] [--runs 5] [--pipelines tokens packed]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -28,16 +37,36 @@ from bench.corpus import make_jsonl_corpus  # noqa: E402
 from resumable.pack import collate_rows  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "corpus-100mb.jsonl")
+CORPUS_BYTES = 100 << 20
 SEQ_LEN = 2048
-SPARSE = "rs.torch.Loader, snapshot_every_n_steps=1"
+TOKENS_LEN = 512
+"""Tokens kept per document by the ``tokens`` pipeline (fixed shapes, as a trainer wants)."""
 BATCH = 8
+PREFETCH_FACTOR = 4
 
 
 def tokenize(record: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Byte-level tokens of the text: cheap, so the loader's own cost shows."""
     return {"input_ids": np.frombuffer(record["text"].encode(), dtype=np.uint8).astype(np.int32)}
 
 
-def build() -> rs.Node:
+def tokenize_fixed(record: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Byte-level tokens cut or padded to ``TOKENS_LEN``."""
+    ids = np.zeros(TOKENS_LEN, dtype=np.int32)
+    raw = np.frombuffer(record["text"].encode()[:TOKENS_LEN], dtype=np.uint8)
+    ids[: len(raw)] = raw
+    return {"input_ids": ids}
+
+
+def stack(rows: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    return {"input_ids": np.stack([row["input_ids"] for row in rows])}
+
+
+def build_tokens() -> rs.Node:
+    return rs.jsonl(DATA).shuffle(seed=0).shard().repeat().map(tokenize_fixed).batch(BATCH, collate_fn=stack)
+
+
+def build_packed() -> rs.Node:
     return (
         rs.jsonl(DATA)
         .shuffle(seed=0)
@@ -49,11 +78,17 @@ def build() -> rs.Node:
     )
 
 
+PIPELINES: dict[str, Callable[[], rs.Node]] = {"tokens": build_tokens, "packed": build_packed}
+
+
 class PlainDataset(IterableDataset):  # type: ignore[type-arg]  # torch's generic dataset, over plain dicts
     """The same pipeline as a plain IterableDataset: iterated, never asked for its state."""
 
+    def __init__(self, build: Callable[[], rs.Node]) -> None:
+        self.build = build
+
     def __iter__(self) -> Iterator[Any]:
-        return iter(build())
+        return iter(self.build())
 
 
 def time_loop(loader: Any, batches: int, take_state: bool) -> tuple[float, float]:
@@ -63,54 +98,74 @@ def time_loop(loader: Any, batches: int, take_state: bool) -> tuple[float, float
     in_state = 0.0
     start = time.perf_counter()
     for _ in range(batches):
-        batch = next(iterator)
+        next(iterator)
         if take_state:
             before = time.perf_counter()
             loader.state_dict()
             in_state += time.perf_counter() - before
     elapsed = time.perf_counter() - start
-    del iterator, batch
+    del iterator
     return elapsed, in_state
+
+
+def compare(build: Callable[[], rs.Node], workers: int, batches: int, runs: int) -> dict[str, float]:
+    """Medians over ``runs`` alternating runs: batches/s of both loops, their ratio, and
+    ``state_dict()``'s share of the Loader's step."""
+    plain_rates, loader_rates, ratios, shares = [], [], [], []
+    for run in range(runs):
+        seconds: dict[str, float] = {}
+        for which in ("plain", "loader") if run % 2 == 0 else ("loader", "plain"):
+            if which == "plain":
+                plain = DataLoader(
+                    PlainDataset(build), batch_size=None, num_workers=workers, prefetch_factor=PREFETCH_FACTOR
+                )
+                seconds[which], _ = time_loop(plain, batches, take_state=False)
+            else:
+                loader = rst.Loader(build, num_workers=workers, prefetch_factor=PREFETCH_FACTOR)
+                seconds[which], in_state = time_loop(loader, batches, take_state=True)
+                shares.append(in_state / seconds[which])
+                loader.close()
+        plain_rates.append(batches / seconds["plain"])
+        loader_rates.append(batches / seconds["loader"])
+        ratios.append(seconds["plain"] / seconds["loader"])
+    return {
+        "plain": statistics.median(plain_rates),
+        "loader": statistics.median(loader_rates),
+        "ratio": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "state_share": statistics.median(shares),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=int, default=400)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--workers", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--pipelines", nargs="+", choices=sorted(PIPELINES), default=["tokens", "packed"])
     args = parser.parse_args()
-    make_jsonl_corpus(DATA, 100 << 20)
+    make_jsonl_corpus(DATA, CORPUS_BYTES)
     len(rs.jsonl(DATA))  # index built before timing
     torch.set_num_threads(1)
 
-    best: dict[str, float] = {}
-    state_cost = []
-    for _ in range(args.repeats):
-        plain = DataLoader(PlainDataset(), batch_size=None, num_workers=args.workers, prefetch_factor=4)
-        seconds, _ = time_loop(plain, args.batches, take_state=False)
-        best["plain DataLoader"] = min(best.get("plain DataLoader", seconds), seconds)
-        stateful = rst.Loader(build, num_workers=args.workers, prefetch_factor=4)
-        seconds, _ = time_loop(stateful, args.batches, take_state=False)
-        best["rs.torch.Loader"] = min(best.get("rs.torch.Loader", seconds), seconds)
-        sparse = rst.Loader(build, num_workers=args.workers, prefetch_factor=4, snapshot_every_n_steps=1)
-        seconds, _ = time_loop(sparse, args.batches, take_state=False)
-        best[SPARSE] = min(best.get(SPARSE, seconds), seconds)
-        stateful = rst.Loader(build, num_workers=args.workers, prefetch_factor=4)
-        seconds, in_state = time_loop(stateful, args.batches, take_state=True)
-        best["rs.torch.Loader + state_dict() every step"] = min(
-            best.get("rs.torch.Loader + state_dict() every step", seconds), seconds
-        )
-        state_cost.append((in_state / args.batches, seconds / args.batches))
-
-    tokens = args.batches * BATCH * SEQ_LEN
-    base = best["plain DataLoader"]
-    print(f"{args.batches} batches of {BATCH} x {SEQ_LEN} tokens, {args.workers} workers, best of {args.repeats}")
-    print(f"{'loop':<46}{'batches/s':>11}{'Mtok/s':>9}{'ratio':>8}")
-    for name, seconds in best.items():
-        print(f"{name:<46}{args.batches / seconds:>11.1f}{tokens / seconds / 1e6:>9.2f}{base / seconds:>8.2f}")
-    per_call, per_step = min(state_cost)
-    share = 100 * per_call / per_step
-    print(f"\nstate_dict() per step: {per_call * 1e6:.0f} us of a {per_step * 1e3:.2f} ms step = {share:.2f}%")
+    print(
+        f"{args.batches} batches of {BATCH} rows per run, {args.runs} alternating runs, medians; "
+        "Loader: a state with every batch and state_dict() after every step"
+    )
+    print(
+        f"{'pipeline':<10}{'workers':>8}{'plain b/s':>11}{'Loader b/s':>12}{'ratio':>8}{'(min-max)':>14}"
+        f"{'state_dict/step':>17}"
+    )
+    for name in args.pipelines:
+        for workers in args.workers:
+            row = compare(PIPELINES[name], workers, args.batches, args.runs)
+            spread = f"{row['ratio_min']:.2f}-{row['ratio_max']:.2f}"
+            print(
+                f"{name:<10}{workers:>8}{row['plain']:>11.1f}{row['loader']:>12.1f}{row['ratio']:>8.3f}"
+                f"{spread:>14}{100 * row['state_share']:>16.2f}%",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

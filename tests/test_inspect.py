@@ -15,6 +15,7 @@ import resumable.torch as rst
 from resumable.cli import main
 from resumable.inspect import chain, describe
 from tests.resume import take
+from tests.test_loader import legacy_loader, legacy_state
 
 
 def source(tmp_path: Path) -> str:
@@ -129,24 +130,40 @@ def worker_rows(report: str) -> list[str]:
     return [line for line in report.splitlines() if line.startswith("rank 0/1, worker") and "%" in line]
 
 
-def test_loader_state_shows_the_snapshot_and_with_the_pipeline_what_was_handed_out(tmp_path: Path) -> None:
+def test_loader_state_shows_every_worker_as_of_the_last_batch_handed_out(tmp_path: Path) -> None:
+    """Workers hand their state over with every batch: nothing handed out since, nothing to replay."""
     build = functools.partial(sharded, tmp_path)
-    every_fourth, every_batch = (
-        rst.Loader(build, 2, snapshot_every_n_steps=4),
-        rst.Loader(build, 2, snapshot_every_n_steps=1),
-    )
-    for loader, name in ((every_fourth, "every_fourth.json"), (every_batch, "every_batch.json")):
+    loader = rst.Loader(build, 2)
+    iterator = iter(loader)
+    for _ in range(6):
+        next(iterator)
+    rs.save_state(loader.state_dict(), tmp_path / "loader.json")
+    out = describe(str(tmp_path / "loader.json"))
+    assert "rank 0/1: Loader epoch 0, 6 batches handed out in this pass" in out
+    assert "worker positions as of the last batch handed out (the workers' snapshot at batch 6)" in out
+    assert "handed out since" not in out and "replayed" not in out
+    assert describe(str(tmp_path / "loader.json"), build) == out
+
+
+def test_legacy_loader_state_shows_the_snapshot_and_with_the_pipeline_what_was_handed_out(tmp_path: Path) -> None:
+    """A state saved by an earlier version between two snapshots: the report says so, and
+    ``--pipeline`` advances the workers to the last batch handed out."""
+    build = functools.partial(sharded, tmp_path)
+    every_fourth, every_batch = legacy_loader(build, 4, num_workers=2), rst.Loader(build, 2)
+    for loader in (every_fourth, every_batch):
         iterator = iter(loader)
         for _ in range(6):
             next(iterator)
-        rs.save_state(loader.state_dict(), tmp_path / name)
+    rs.save_state(legacy_state(every_fourth, 4), tmp_path / "every_fourth.json")
+    rs.save_state(every_batch.state_dict(), tmp_path / "every_batch.json")
     exact = describe(str(tmp_path / "every_batch.json"))
-    assert "rank 0/1: Loader epoch 0, 6 batches handed out in this pass" in exact
-    assert "worker positions as of the last batch handed out (the workers' snapshot at batch 6)" in exact
 
     at_snapshot = describe(str(tmp_path / "every_fourth.json"))
     assert "rank 0/1: Loader epoch 0, 6 batches handed out in this pass" in at_snapshot
-    assert "as of the workers' snapshot at batch 4, not counting the 2 batches handed out since" in at_snapshot
+    assert (
+        "as of the workers' snapshot at batch 4, not counting the 2 batches handed out since (a state saved by an "
+        "earlier version; pass --pipeline MODULE:FUNCTION to replay them)" in at_snapshot
+    )
     assert worker_rows(at_snapshot) != worker_rows(exact)
 
     replayed = describe(str(tmp_path / "every_fourth.json"), build)
@@ -181,11 +198,11 @@ def test_pipeline_option_imports_the_factory_and_reports_bad_ones(
     monkeypatch.syspath_prepend(str(tmp_path))
     from my_pipeline import build  # type: ignore[import-not-found]  # written by the test at run time
 
-    loader = rst.Loader(build, 2, snapshot_every_n_steps=4)
+    loader = legacy_loader(build, 4, num_workers=2)  # a state saved by an earlier version, between snapshots
     iterator = iter(loader)
     for _ in range(5):
         next(iterator)
-    rs.save_state(loader.state_dict(), tmp_path / "loader.json")
+    rs.save_state(legacy_state(loader, 4), tmp_path / "loader.json")
     assert main(["inspect", str(tmp_path / "loader.json"), "--pipeline", "my_pipeline:build"]) == 0
     assert "1 batches replayed from the workers' snapshot at batch 4" in capsys.readouterr().out
     for spec, message in (

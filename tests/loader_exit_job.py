@@ -45,7 +45,7 @@ def signal_a_worker(sender: str) -> None:
 
 
 def restore_a_wrong_state() -> BaseException:
-    loader = Loader(build, num_workers=2, snapshot_every_n_steps=1)
+    loader = Loader(build, num_workers=2)
     iterator = iter(loader)
     next(iterator)
     wrong = Loader(lambda: build(batch_size=5), num_workers=2)

@@ -350,7 +350,7 @@ def test_loader_workers_straddling_an_epoch_boundary_rescale_exactly_once(steps:
     epoch while the other finishes the current one: the rescale continues both epochs."""
     from resumable.torch import Loader
 
-    old = Loader(repeated_twice, num_workers=2, snapshot_every_n_steps=1)
+    old = Loader(repeated_twice, num_workers=2)
     seen: Counter[int] = Counter()
     batches = iter(old)
     for _ in range(steps):

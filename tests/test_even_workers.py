@@ -48,7 +48,7 @@ def consumer_stream(consumer: int) -> list[Any]:
 
 
 def loader(persistent: bool) -> rst.Loader:
-    return rst.Loader(build, num_workers=WORKERS, persistent_workers=persistent, snapshot_every_n_steps=2)
+    return rst.Loader(build, num_workers=WORKERS, persistent_workers=persistent)
 
 
 def epoch(pipe: rst.Loader) -> list[Any]:

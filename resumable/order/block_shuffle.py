@@ -220,8 +220,11 @@ class BlockShuffle(IndexedNode[T]):
         self._sized: BlockLayout | None = None
         reserve = getattr(upstream.leaf, "reserve_cache", None)
         if bounds is not None and callable(reserve):
-            # A chunk of positions may straddle two windows: keep both windows' blocks.
+            # A chunk of positions may straddle two windows: keep both windows' blocks, decoded
+            # and (remote sources) as fetched bytes.
             reserve(2 * window)
+        if bounds is not None:
+            upstream.leaf._reserve_span(min(1.0, 2 * window / max(1, len(bounds) - 1)))
 
     def __len__(self) -> int:
         return len(self._parent)

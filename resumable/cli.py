@@ -35,9 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument(
         "--pipeline",
         metavar="MODULE:FUNCTION",
-        help="the function that builds the pipeline (as given to rs.torch.Loader), importable from here: "
-        "DataLoader workers' positions are then replayed from their last snapshot to the last batch handed out "
-        "(this reads the data files)",
+        help="the function that builds the pipeline (as given to rs.torch.Loader), importable from here. Only a "
+        "Loader state saved by an earlier version between two of its workers' snapshots needs it: its workers' "
+        "positions are then advanced to the last batch handed out (this reads the data files). States this "
+        "version saves are exact without it",
     )
     return parser
 

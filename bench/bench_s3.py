@@ -1,7 +1,7 @@
 """JSONL and Parquet over S3 against the same files read locally, on a moto S3 server this script
 starts on 127.0.0.1 (in this process), in one run; Hugging Face ``datasets`` streaming beside it.
 
-    python bench/bench_s3.py [--size-mb 300] [--repeats 2] [--resume-repeats 3] [--block-size 256]
+    python bench/bench_s3.py [--size-mb 300] [--repeats 2] [--resume-repeats 3] [--block-size 1024]
 
 Prints, for a JSONL corpus of ``--size-mb``:
 
@@ -78,7 +78,7 @@ def main() -> None:
     parser.add_argument("--size-mb", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=2, help="epochs timed per figure (best kept)")
     parser.add_argument("--resume-repeats", type=int, default=3, help="resumes timed per point (median kept)")
-    parser.add_argument("--block-size", type=int, default=256, help="records per shuffled block (JSONL)")
+    parser.add_argument("--block-size", type=int, default=1024, help="records per shuffled block (JSONL; the default)")
     parser.add_argument("--row-group-mb", type=float, default=4.0, help="Parquet row group size (uncompressed)")
     args = parser.parse_args()
     print(f"load average at start: {_load()}")

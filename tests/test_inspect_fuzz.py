@@ -75,8 +75,8 @@ def loader_states() -> list[dict[str, Any]]:
         for _ in range(6):
             next(iterator)
         states.append(loader.state_dict() if every is None else legacy_state(loader, every))
-        # Dropping the last references stops the workers. Not close(): it saves and reloads the
-        # state, and a legacy loader's own state records no interval, so its count since is refused.
+        # Dropping the references stops the workers. Not close(): it reloads the loader's own state,
+        # which records interval 1 and so, in a legacy loader, refuses the batches since the snapshot.
         del iterator, loader
     return json.loads(json.dumps(states))
 

@@ -4,9 +4,10 @@ The packer holds documents in a bounded buffer, but its state never holds tokens
 buffered piece is saved as ``[*key, token_start, token_end]``: the provenance key of the record
 it came from (``upstream.last_key()``: ``(epoch, index in the leaf source)``, the same on every
 rank, so pieces can move between consumers in an elastic rescale, behind the names of the mix
-components it came through) plus a token range. A restore fetches the whole buffer again in one
-``upstream.fetch_many(keys)`` call, so its cost is bounded by the buffer, never by the position
-in the epoch.
+components it came through) plus a token range (with a ``length_fn``, also the positions each
+piece's document reserves). A restore plans from those alone and fetches each record again
+(``upstream.fetch_many``) when its row is handed out, so ``set_state`` runs no map and the
+fetches are bounded by the buffer, never by the position in the epoch.
 
 This module holds the node: its options, its state and its rows. How a record becomes token
 arrays and how much of it is kept is ``_documents.Documents``; what an epoch holds between the

@@ -56,7 +56,7 @@ CONFIGS = [
     {"num_workers": 2, "prefetch_factor": 1, "persistent_workers": True},
     {"num_workers": 3, "prefetch_factor": 4, "persistent_workers": True},
     {"num_workers": 3, "prefetch_factor": 1},
-    {"num_workers": 2, "prefetch_factor": 2, "snapshot_every_n_steps": 1},
+    {"num_workers": 2, "prefetch_factor": 2},
 ]
 
 
@@ -159,7 +159,7 @@ def test_invalid_arguments() -> None:
 
 def test_state_of_another_pipeline_is_a_state_error_naming_the_node() -> None:
     for num_workers in (0, 2):
-        loader = make({"num_workers": num_workers, "snapshot_every_n_steps": 1})
+        loader = make({"num_workers": num_workers})
         iterator = iter(loader)
         next(iterator)
         state = loader.state_dict()

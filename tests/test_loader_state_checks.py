@@ -163,7 +163,7 @@ def test_epochs_stay_in_the_range_a_state_can_hold(num_workers: int) -> None:
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_batch_counts_stay_in_the_range_a_state_can_hold(num_workers: int) -> None:
-    config = {"num_workers": num_workers, "snapshot_every_n_steps": 1}
+    config = {"num_workers": num_workers}
     expected = batches(Loader(small, **config))
     state = state_after(config, 2)
     if num_workers:

@@ -32,7 +32,7 @@ def build() -> rs.Node:
 
 def make(num_workers: int) -> Loader:
     timeout = WORKER_TIMEOUT_S if num_workers else 0
-    return Loader(build, num_workers=num_workers, snapshot_every_n_steps=3, timeout=timeout)
+    return Loader(build, num_workers=num_workers, timeout=timeout)
 
 
 def contents(loader: Loader) -> list[list[int]]:
@@ -41,7 +41,7 @@ def contents(loader: Loader) -> list[list[int]]:
 
 @functools.cache
 def real_states(num_workers: int) -> list[dict[str, Any]]:
-    """States taken mid-epoch (right after a snapshot and between two) and after the epoch ended."""
+    """States taken mid-epoch (after 3 and 5 batches) and after the epoch ended."""
     loader = make(num_workers)
     iterator = iter(loader)
     states = []

@@ -5,8 +5,9 @@ consumer builds its pipeline as usual and calls ``restore(pipeline, old_states)`
 pipeline states of *all* old consumers, in consumer order. It gets
 
 * the positions of the interrupted epoch that no old consumer reached, split into strides
-  over the new consumers (``resumable.order.elastic``: about one integer per old consumer
-  while the ragged band between the slowest and fastest old cursor is being read, then one);
+  over the new consumers (``resumable.order.elastic``: while the ragged band between the
+  slowest and fastest old cursor is being read, its state keeps the band positions of its own
+  stride, about ``band / C'`` of them, encoded; then one integer);
 * its share of what old consumers held in buffers, by reference: the packer's pieces (a split
   document's rest included) are dealt out one by one across the new consumers; a whole-epoch
   ``bfd`` plan's rows not yet handed out are planned again from the old states and dealt out
@@ -219,10 +220,12 @@ def _rescale_indexed(cursor: IndexedNode[Any], olds: list[dict[str, Any]], path:
         own = node._header()
         if isinstance(node, Shard):
             remap, next_remap = _new_remaps(node, states, epochs, cursors, reading_orders, where)
-            own[REMAP] = remap.to_json()
+            consumer, num_consumers = node.topology.consumer, node.topology.num_consumers
+            # Each new consumer keeps only its share of the levels (band / C' positions each).
+            own[REMAP] = remap.share_for(consumer, num_consumers).to_json()
             if next_remap is not None:
-                own[NEXT_REMAP] = next_remap.to_json()
-            length = shard_size(remap.length, node.topology.consumer, node.topology.num_consumers)
+                own[NEXT_REMAP] = next_remap.share_for(consumer, num_consumers).to_json()
+            length = shard_size(remap.length, consumer, num_consumers)
         else:
             for state in states:
                 node._check_config(state, where)

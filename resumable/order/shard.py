@@ -9,7 +9,7 @@ import numpy as np
 from resumable.core.indexed import IndexedNode
 from resumable.core.state import check_header, require
 from resumable.errors import ConfigError, StateError
-from resumable.order.elastic import Remap
+from resumable.order.elastic import Remap, Share
 from resumable.order.partition import shard_size, shard_to_global
 from resumable.order.topology import Consumer, Topology
 
@@ -116,6 +116,10 @@ class Shard(IndexedNode[T]):
                 f"{path}: the remap keeps positions from {remap.first} on, the cursor at {position} needs "
                 f"{self._first_kept(position)}"
             )
+        if remap is not None:
+            self._check_share(remap, self._first_kept(position), path)
+        if self.next_remap is not None:
+            self._check_share(self.next_remap, 0, path)
         super()._check_cursor(epoch, position, path)
 
     def _first_kept(self, position: int) -> int:
@@ -156,6 +160,21 @@ class Shard(IndexedNode[T]):
         self.remap, self.next_remap = remap, next_remap
         self._cursor, self._saved_remap = None, None
         super()._load(state, path, progress)
+
+    def _check_share(self, remap: Remap, first: int, path: str) -> None:
+        """A saved remap whose newest level is a share must hold this consumer's band positions
+        from ``first`` on: a share saved by another consumer is refused here, not when its first
+        foreign position is read."""
+        newest = remap.steps[0] if remap.steps else None
+        if not isinstance(newest, Share):
+            return
+        topology = self.topology
+        stride = np.arange(topology.consumer, newest.band, topology.num_consumers, dtype=np.int64)
+        if not np.isin(stride[stride >= max(first, remap.first)], newest.keys, assume_unique=True).all():
+            raise StateError(
+                f"{path}: the remap of epoch {remap.epoch} holds another consumer's share of the rescaled "
+                f"positions, not consumer {topology.consumer} of {topology.num_consumers}'s"
+            )
 
     def _config(self) -> dict[str, Any]:
         return self.topology.config()

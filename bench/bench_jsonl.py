@@ -1,21 +1,28 @@
 """JSONL source against a bare ``orjson`` loop on the same file, in one run.
 
     python bench/bench_jsonl.py [--size-mb 300] [--repeats 3]
+    python bench/bench_jsonl.py --small [--records 1000000] [--repeats 5]
 
 Prints docs/s of sequential and shuffled iteration against ``for line in f: orjson.loads(line)``,
 resume latency (``set_state`` + first record) at 1%, 50% and 99% of the file (with Hugging Face
 ``datasets`` streaming JSON beside it when installed), and ``get_state()`` cost on a chain.
+
+The default corpus holds 1-5 kB documents (``bench/corpus.py``). ``--small`` generates one file of
+``--records`` records of about 100-130 bytes instead, where Python's per-record cost dominates, and
+reports medians over the interleaved rounds rather than the best, by wall clock and by CPU time.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 import timeit
 from typing import Any, Callable
 
+import numpy as np
 import orjson
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -26,6 +33,65 @@ from bench.timing import best_of, drain  # noqa: E402
 
 DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 RESUME_POINTS = (0.01, 0.5, 0.99)
+SMALL_RECORDS = 1_000_000
+SMALL_LINE_BYTES = (100, 130)
+"""Range of a small record's line length in bytes, newline included (uniform)."""
+SMALL_WORD_LETTERS = (2, 9)
+"""Range of a word's length in letters in the small corpus (uniform)."""
+
+
+def make_small_corpus(path: str, records: int, seed: int = 0) -> str:
+    """Write ``records`` lines ``{"id": i, "text": "..."}`` of about 100-130 bytes each (random lowercase
+    words) at ``path`` and return it; an existing file is reused. Written to a temp name and
+    renamed, so a killed run never leaves a truncated corpus behind."""
+    if os.path.exists(path):
+        return path
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(SMALL_LINE_BYTES[0], SMALL_LINE_BYTES[1] + 1, records)
+    # Random words: letters with a space after each word, one long pool sliced per record.
+    letters = rng.integers(ord("a"), ord("z") + 1, int(lengths.sum()), dtype=np.uint8)
+    gaps = np.cumsum(rng.integers(SMALL_WORD_LETTERS[0] + 1, SMALL_WORD_LETTERS[1] + 2, len(letters) // 3))
+    letters[gaps[gaps < len(letters)]] = ord(" ")
+    pool = letters.tobytes()
+    lines = []
+    at = 0
+    for record, length in enumerate(lengths.tolist()):
+        head = b'{"id": %d, "text": "' % record
+        size = max(1, length - len(head) - 3)  # the closing '"}' and the newline
+        lines.append(b'%s%s"}\n' % (head, pool[at : at + size].strip() or b"x"))
+        at += size
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    temp = f"{path}.{os.getpid()}.tmp"
+    with open(temp, "wb") as out:
+        out.write(b"".join(lines))
+    os.replace(temp, path)
+    return path
+
+
+def interleaved_rounds(repeats: int, runs: dict[str, Callable[[], int]]) -> dict[str, list[tuple[float, float, int]]]:
+    """``(wall seconds, CPU seconds, items)`` of each run in each of ``repeats`` rounds, the runs
+    interleaved within a round so that machine noise hits all of them alike."""
+    rounds: dict[str, list[tuple[float, float, int]]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            wall, cpu = time.perf_counter(), time.process_time()
+            count = run()
+            rounds[name].append((time.perf_counter() - wall, time.process_time() - cpu, count))
+    return rounds
+
+
+def print_median_ratios(rounds: dict[str, list[tuple[float, float, int]]], base: str, size_mb: float) -> None:
+    """Median docs/s of each run, and the medians over rounds of its speed relative to ``base``
+    in the same round, by wall clock and by CPU time (CPU time is steadier on a shared machine)."""
+    print(f"\n{'iteration':<22}{'docs/s':>12}{'MB/s':>9}{'ratio':>8}{'CPU ratio':>11}")
+    for name, times in rounds.items():
+        if {count for _, _, count in times} != {times[0][2]} or times[0][2] != rounds[base][0][2]:
+            raise SystemExit(f"{name} read another number of records than {base}")
+        seconds = statistics.median(wall for wall, _, _ in times)
+        wall_ratio = statistics.median(b[0] / t[0] for b, t in zip(rounds[base], times))
+        cpu_ratio = statistics.median(b[1] / t[1] for b, t in zip(rounds[base], times))
+        count = times[0][2]
+        print(f"{name:<22}{count / seconds:>12,.0f}{size_mb / seconds:>9.0f}{wall_ratio:>8.2f}{cpu_ratio:>11.2f}")
 
 
 def bare_loop(path: str) -> int:
@@ -86,32 +152,41 @@ def _set_example_index(state: Any, position: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-mb", type=int, default=300)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=None, help="rounds of the runs (default 3, 5 with --small)")
+    parser.add_argument("--small", action="store_true", help="records of 100-130 bytes instead of 1-5 kB")
+    parser.add_argument("--records", type=int, default=SMALL_RECORDS, help="records in the --small corpus")
     parser.add_argument("--no-hf", action="store_true", help="skip the Hugging Face datasets comparison")
     args = parser.parse_args()
 
-    path = make_jsonl_corpus(os.path.join(DATA_DIR, f"corpus-{args.size_mb}mb.jsonl"), args.size_mb << 20)
+    if args.small:
+        path = make_small_corpus(os.path.join(DATA_DIR, f"small-{args.records}.jsonl"), args.records)
+        repeats = args.repeats or 5
+    else:
+        path = make_jsonl_corpus(os.path.join(DATA_DIR, f"corpus-{args.size_mb}mb.jsonl"), args.size_mb << 20)
+        repeats = args.repeats or 3
     size_mb = os.path.getsize(path) / 1e6
     with open(path, "rb") as handle:  # warm the page cache
         while handle.read(64 << 20):
             pass
     records = len(rs.jsonl(path))  # builds or loads the line index
-    print(f"file: {path} ({size_mb:.0f} MB, {records:,} records, {size_mb * 1e6 / records / 1e3:.1f} KB/record)")
+    print(f"file: {path} ({size_mb:.0f} MB, {records:,} records, {size_mb * 1e6 / records:,.0f} B/record)")
+    print(f"{'median' if args.small else 'best'} of {repeats} interleaved rounds")
 
-    best = best_of(
-        args.repeats,
-        {
-            "bare orjson loop": lambda: bare_loop(path),
-            "rs.jsonl": lambda: drain(rs.jsonl(path)),
-            "rs.jsonl.shuffle(0)": lambda: drain(rs.jsonl(path).shuffle(0)),
-        },
-    )
-    base_seconds, base_count = best["bare orjson loop"]
-    print(f"\n{'iteration':<22}{'docs/s':>12}{'MB/s':>9}{'ratio':>8}")
-    for name, (seconds, count) in best.items():
-        if count != base_count:
-            raise SystemExit(f"{name} read {count} records, the bare loop {base_count}")
-        print(f"{name:<22}{count / seconds:>12,.0f}{size_mb / seconds:>9.0f}{base_seconds / seconds:>8.2f}")
+    runs: dict[str, Callable[[], int]] = {
+        "bare orjson loop": lambda: bare_loop(path),
+        "rs.jsonl": lambda: drain(rs.jsonl(path)),
+        "rs.jsonl.shuffle(0)": lambda: drain(rs.jsonl(path).shuffle(0)),
+    }
+    if args.small:
+        print_median_ratios(interleaved_rounds(repeats, runs), "bare orjson loop", size_mb)
+    else:
+        best = best_of(repeats, runs)
+        base_seconds, base_count = best["bare orjson loop"]
+        print(f"\n{'iteration':<22}{'docs/s':>12}{'MB/s':>9}{'ratio':>8}")
+        for name, (seconds, count) in best.items():
+            if count != base_count:
+                raise SystemExit(f"{name} read {count} records, the bare loop {base_count}")
+            print(f"{name:<22}{count / seconds:>12,.0f}{size_mb / seconds:>9.0f}{base_seconds / seconds:>8.2f}")
 
     print(f"\n{'resume at':<12}{'build ms':>10}{'set_state+next ms':>19}{'shuffled ms':>13}{'HF datasets ms':>16}")
     for fraction in RESUME_POINTS:

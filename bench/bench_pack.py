@@ -33,6 +33,11 @@ order) over UltraChat-like and C4-like lengths at 2048, in each row order, best 
 ``--payloads`` measures throughput with payload fields against without: UltraChat-like lengths at
 2048, each document with a per-token ``loss_mask`` (int8) as a token field and an image path as a
 document field; the best of three alternating runs of each.
+
+``--plot`` measures packing efficiency against buffer size instead (greedy, first_fit, best_fit
+and windowed bfd at buffer sizes 10-2000; greedy has no buffer and the whole-epoch bfd none to
+size, so both are drawn as horizontal references), prints the table, and writes
+``docs/packing_efficiency.png`` with one panel per corpus and seq_len of the main table.
 """
 
 from __future__ import annotations
@@ -302,6 +307,63 @@ def payload_throughput(count: int, seed: int) -> None:
         )
 
 
+PLOT = ROOT / "docs" / "packing_efficiency.png"
+PLOT_BUFFERS = (10, 20, 50, 100, 200, 500, 1000, 2000)
+PLOT_STRATEGIES = ("first_fit", "best_fit", "bfd")
+"""Strategies drawn against ``PLOT_BUFFERS``; greedy and the whole-epoch bfd are flat references."""
+
+
+def efficiency(docs: list[dict[str, np.ndarray]], seq_len: int, strategy: str, buffer_size: int | None) -> float:
+    """Real tokens / (rows * seq_len) over one epoch, counted from the rows' document ids."""
+    pack = build(docs, seq_len, strategy, buffer_size)
+    rows = real = 0
+    for row in pack:
+        rows += 1
+        real += int(np.count_nonzero(row["document_ids"]))
+    if real != pack.stats.tokens:
+        raise RuntimeError(f"{strategy}({buffer_size}): {real} real tokens in the rows, {pack.stats.tokens} counted")
+    return real / (rows * seq_len)
+
+
+def efficiency_plot(count: int, seed: int) -> None:
+    """Print efficiency per strategy and buffer size and write ``PLOT`` (``--plot``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    print(f"{count} documents per corpus, seed {seed}: efficiency = real tokens / (rows * seq_len)")
+    header = f"{'corpus':<10} {'seq_len':>7} {'strategy':<18}" + "".join(f" {size:>7}" for size in PLOT_BUFFERS)
+    print(header)
+    print("-" * len(header))
+    figure, panels = plt.subplots(2, 2, figsize=(9.6, 7.2), sharex=True)
+    for (corpus, seq_len), axes in zip(CASES, panels.flat):
+        sizes = lengths(corpus, count, seed)
+        docs = documents(sizes, seed)
+        for strategy in PLOT_STRATEGIES:
+            values = [efficiency(docs, seq_len, strategy, size) for size in PLOT_BUFFERS]
+            label = "bfd (window)" if strategy == "bfd" else strategy
+            print(f"{corpus:<10} {seq_len:>7} {label:<18}" + "".join(f" {value:>7.2%}" for value in values))
+            axes.plot(PLOT_BUFFERS, [100 * value for value in values], marker="o", markersize=3, label=label)
+        for strategy, style, label in (("greedy", ":", "greedy (no buffer)"), ("bfd", "--", "bfd (whole epoch)")):
+            value = efficiency(docs, seq_len, strategy, None)
+            print(f"{corpus:<10} {seq_len:>7} {label:<18} {value:>7.2%}  (every buffer size)")
+            axes.axhline(100 * value, color="grey" if strategy == "greedy" else "black", linestyle=style, label=label)
+        axes.axhline(100 * lower_bound(sizes, seq_len), color="black", linewidth=0.5, label="bound")
+        axes.set_xscale("log")
+        axes.set_title(f"{corpus}-like lengths, seq_len {seq_len}", fontsize=9)
+        axes.grid(True, which="both", linewidth=0.3)
+    for axes in panels[-1]:
+        axes.set_xlabel("buffer_size (documents)")
+    for axes in panels[:, 0]:
+        axes.set_ylabel("efficiency (% real tokens)")
+    panels.flat[0].legend(fontsize=7)
+    figure.suptitle(f"Packing efficiency by strategy and buffer size ({count:,} documents per corpus)")
+    figure.tight_layout()
+    figure.savefig(PLOT, dpi=120)
+    print(f"wrote {PLOT.relative_to(ROOT)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--docs", type=int, default=20_000, help="documents per corpus")
@@ -309,6 +371,7 @@ def main() -> None:
     parser.add_argument("--balance", action="store_true", help="measure length balance over time instead")
     parser.add_argument("--payloads", action="store_true", help="measure throughput with payload fields instead")
     parser.add_argument("--plan", action="store_true", help="time the whole-epoch plan alone instead")
+    parser.add_argument("--plot", action="store_true", help=f"write {PLOT.relative_to(ROOT)} instead")
     args = parser.parse_args()
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # one core
@@ -320,6 +383,9 @@ def main() -> None:
         return
     if args.plan:
         plan_build(args.docs, args.seed)
+        return
+    if args.plot:
+        efficiency_plot(args.docs, args.seed)
         return
 
     header = (

@@ -194,7 +194,7 @@ def test_rescaled_state_is_small_and_says_who_it_is() -> None:
     state = rescaled_state(new, states)
     assert consumer_of(state) == (2, 3)
     text = json.dumps(state)
-    assert '"behind": [' in text and len(text) < 2000, text
+    assert '"parents": "' in text and len(text) < 2000, text  # this consumer's share of the level, encoded
 
     # Once this consumer has passed the band, its state keeps one integer for the level.
     new.set_state(state)

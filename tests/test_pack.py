@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import resumable as rs
-from resumable.pack import IGNORE_INDEX, Pack, collate_rows
+from resumable.pack import IGNORE_INDEX, Pack, collate_rows, expand_references
 from tests.resume import take
 
 STRIDE = 100_000  # token = document * STRIDE + offset: every token says where it came from
@@ -250,7 +250,7 @@ def test_pending_keys_name_exactly_the_buffered_records() -> None:
     pipe = rs.from_list(corpus([3, 4, 5, 6, 20, 2, 3])).shuffle(2).pack(8, strategy="first_fit", buffer_size=3)
     for _ in range(2):
         next(pipe)
-    state = pipe.get_state()
+    state = expand_references(pipe.get_state())
     refs = state["open"] + state["ready"]
     refs += [state["span"]] if state["span"] else []
     assert sorted(pipe.pending_keys()) == sorted({(epoch, position) for epoch, position, _, _ in refs})
@@ -367,7 +367,7 @@ def long_record() -> int:
 def midway_state() -> dict[str, Any]:
     pipe = build_first_fit()
     take(pipe, 2)
-    state = pipe.get_state()
+    state = expand_references(pipe.get_state())  # the list form, which states had before, still loads
     assert state["open"], "the scenario needs open rows"
     return state
 
@@ -394,6 +394,7 @@ def corrupt(change: Any) -> dict[str, Any]:
         (lambda s: s["open"].__setitem__(0, [0, -1, 0, 2]), r"\[epoch, record, token_start, token_end\]"),
         (lambda s: s["open"].__setitem__(0, [0, 1, 0, True]), r"\[epoch, record, token_start, token_end\]"),
         (lambda s: s["open"].__setitem__(0, [0, 1, 2, 2]), "empty token range"),
+        (lambda s: s["open"].__setitem__(0, [0, 999, 0, 1]), "names no record: record index 999 out of range"),
         (lambda s: s.update(open=[[0, long_record(), 0, 20]], open_sizes=[1]), "longer than seq_len"),
         (lambda s: s.update(open=[[0, i, 0, 1] for i in range(4)], open_sizes=[1] * 4), "more than buffer_size"),
         (lambda s: s.update(ready=[], ready_sizes=[0]), "does not fit"),
@@ -419,7 +420,6 @@ def test_bad_states_raise_state_errors_and_leave_the_node_as_it_was(change: Any,
 @pytest.mark.parametrize(
     "change, message",
     [
-        (lambda s: s["open"].__setitem__(0, [0, 999, 0, 1]), "cannot be fetched again"),
         (lambda s: s["open"].__setitem__(0, [0, 1, 0, 7]), "outside record"),
     ],
 )
@@ -447,3 +447,59 @@ def test_a_whole_epoch_plan_rejects_more_rows_than_it_has() -> None:
     state["emitted"] = 50
     with pytest.raises(rs.StateError, match="50 rows handed out"):
         build().set_state(state)
+
+
+# -- compact references ----------------------------------------------------------------------
+
+
+def test_compact_references_round_trip_exactly() -> None:
+    """Origins (mix paths), epochs, records up to int64, split starts and whole rows' lengths."""
+    from resumable.pack._refs import RefTable, decode, encode, ref_rows
+
+    refs = [
+        [0, 5, 0, 7],
+        ["web", 3, 2**62, 4096, 4100],
+        ["web", "code", 0, 0, 0, 2048 * 40],
+        [1, 17, 2048, 2049],
+        [0, 5, 0, 7],
+    ]
+    table = RefTable()
+    encoded = json.loads(json.dumps(encode(ref_rows(refs, table), table.origins)))
+    assert decode(encoded, "Pack", "refs") == refs
+    assert decode(encode(ref_rows([], table), table.origins), "Pack", "refs") == []
+
+
+def compact_state() -> dict[str, Any]:
+    pipe = build_first_fit()
+    take(pipe, 2)
+    state = json.loads(json.dumps(pipe.get_state()))
+    assert state["refs"]["count"] > 1, "the scenario needs pieces held"
+    return state
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda s: s.update(refs=[1, 2]), "not an encoding"),
+        (lambda s: s["refs"].update(data="not base64!"), "not base64"),
+        (lambda s: s["refs"].update(data=s["refs"]["data"][:-4]), "not .* references"),
+        (lambda s: s["refs"].update(count=s["refs"]["count"] + 1), "not .* references"),
+        (lambda s: s["refs"].update(bits=[65, 0, 0, 0, 0]), "base, scale and bits"),
+        (lambda s: s["refs"].update(base=[0, 0, -1, 0, 0]), "base, scale and bits"),
+        (lambda s: s["refs"].update(origins=[]), "unknown origin"),
+        (lambda s: s["refs"]["base"].__setitem__(2, 2**63 - 2), "above"),
+        (lambda s: s["sections"].__setitem__(0, s["sections"][0] + 1), "'sections' counts"),
+        (lambda s: s.update(sections=[0, 0, 2, 0]), "expected 4 counts"),
+        (lambda s: s["refs"]["base"].__setitem__(2, 999), "out of range"),
+    ],
+)
+def test_a_damaged_compact_state_is_a_state_error_and_changes_nothing(change: Any, message: str) -> None:
+    pipe = build_first_fit()
+    take(pipe, 3)
+    before = pipe.get_state()
+    state = compact_state()
+    change(state)
+    with pytest.raises(rs.StateError, match=message) as error:
+        pipe.set_state(state)
+    assert str(error.value).startswith("Pack")
+    assert pipe.get_state() == before

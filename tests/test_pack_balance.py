@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import resumable as rs
 from resumable.elastic import restore
+from resumable.pack import expand_references
 from resumable.pack._planned import ROW_ORDER
 from resumable.pack.epoch import FIRST_PIECE, LONGEST_PIECE, ROW_ORDERS, Plan
 from resumable.pack.strategies import BestFit, FirstFit, NextFit, Packer, Row, WindowBFD
@@ -144,7 +145,7 @@ def builder(strategy: str, repeat: bool = False) -> Any:
 
 def waiting_whole_rows(pipe: rs.Node[Any]) -> int:
     """Whole-row items held (open, or in rows closed but not handed out); pieces are shorter."""
-    state = pipe.get_state()["upstream"]
+    state = expand_references(pipe.get_state()["upstream"])
     return sum(end - start >= 8 for *_, start, end in state["open"] + state["ready"])
 
 

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 import resumable as rs
 from resumable import Node
+from resumable.pack import expand_references
 from resumable.sources.memory import FromList
 from tests.resume import check_resume, take
 
@@ -137,7 +138,7 @@ def test_a_document_split_across_rows_resumes_from_its_span_and_its_tail() -> No
     pipe = build()
     spans, tails = 0, 0
     for k in range(6):
-        state = progress(pipe)
+        state = expand_references(progress(pipe))
         spans += bool(state["span"]) and state["span"][2] > 0  # a long document half-way through its rows
         tails += any(entry[2] > 0 for entry in state["open"])  # a tail waiting in the buffer
         check_resume(build, k, 8, k2=k + 1)
@@ -164,6 +165,8 @@ def references(state: Any) -> list[list[int]]:
     """Every piece reference in a Pack state; fails if any other list of ints is present."""
     found: list[list[int]] = []
     if isinstance(state, dict):
+        if state.get("kind") == "Pack":
+            state = expand_references(state)  # the compact references as lists, one per piece
         for key, value in state.items():
             if key.endswith("_sizes"):  # group sizes: one small count per group
                 assert len(value) <= 2 * len(state[key[: -len("_sizes")]]) + 5

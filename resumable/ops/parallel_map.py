@@ -172,4 +172,10 @@ class ParallelMap(ReadAhead[U]):
             pool.shutdown(wait=True, cancel_futures=True)
 
     def fetch_many(self, keys: Sequence[RecordKey]) -> list[U]:
-        return [self.fn(item) for item in self.upstream.fetch_many(keys)]
+        """The items with ``keys``, mapped through the node's pool (in order), so a packer's
+        restored rows map their records in parallel, as iteration does; a single item is
+        mapped in the calling thread, where the pool would only add a round trip."""
+        items = self.upstream.fetch_many(keys)
+        if len(items) < 2:
+            return [self.fn(item) for item in items]
+        return list(self._executor().map(self.fn, items))

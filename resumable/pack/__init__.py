@@ -6,7 +6,8 @@ See ``Pack`` for the options, ``resumable.pack.rows`` for the output format and
 ``resumable.pack.strategies`` for the bin-packing algorithms.
 """
 
+from resumable.pack._buffered import expand_references
 from resumable.pack.node import Pack, PackStats
 from resumable.pack.rows import IGNORE_INDEX, collate_rows
 
-__all__ = ["IGNORE_INDEX", "Pack", "PackStats", "collate_rows"]
+__all__ = ["IGNORE_INDEX", "Pack", "PackStats", "collate_rows", "expand_references"]

@@ -5,12 +5,20 @@ bounded strategy groups into rows, and every piece still held is saved by refere
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Any, Iterator, cast
+from itertools import chain
+from typing import TYPE_CHECKING, Any, Callable, Iterator, cast
 
+import numpy as np
+
+from resumable.core.indexed import IndexedNode
 from resumable.core.keys import RecordKey
 from resumable.core.state import ENDED, require
 from resumable.errors import ConfigError, SourceError, StateError
+from resumable.ops.filter import Filter
+from resumable.ops.map import Map
 from resumable.ops.mix import Mix
+from resumable.ops.read_ahead import ReadAhead
+from resumable.ops.repeat import Repeat
 from resumable.pack._entries import (
     COUNTERS,
     EXHAUSTED,
@@ -19,11 +27,14 @@ from resumable.pack._entries import (
     OPEN_SIZES,
     READY,
     READY_SIZES,
+    REFS,
     RESERVED,
+    SECTIONS,
     SPAN,
     STATS,
 )
 from resumable.pack._pieces import Piece, Refetcher, count_row, grouped, is_count, piece, untraceable
+from resumable.pack._refs import REF_LIMIT, GrowingSlots, RefTable, decode, encode, ref_rows
 from resumable.pack.rows import Segment
 from resumable.pack.strategies import Packer, Row
 from resumable.sources.stream import JsonlStream
@@ -49,8 +60,17 @@ class BufferedRows:
         self._seq_len = documents.seq_len
         self.counts = dict.fromkeys(COUNTERS, 0) if counts is None else counts
         self._packer = packer
-        self._pieces: dict[int, Piece] = {}
-        self._next_id = 0
+        self._pieces: dict[int, Piece] = {}  # by slot of ``_table``, which holds their references
+        self._table = RefTable()
+        # What ``progress`` derived, kept while it holds: the open pieces' slots (their list only
+        # grows between a strategy's rounds); the ready rows' slots and sizes, valid from
+        # ``_ready_taken`` rows (``_ready_cut`` slots) on while no row is added; and the last
+        # progress itself, valid while ``_changes`` (rows asked for) has not moved.
+        self._open_slots = GrowingSlots()
+        self._ready_slots: tuple[np.ndarray, list[int]] | None = None
+        self._ready_taken = self._ready_cut = 0
+        self._changes = 0
+        self._saved: tuple[int, dict[str, Any]] | None = None
         self._ready: deque[Row] = deque()
         self._span: Piece | None = None
         self._inherited: deque[Piece] = deque()
@@ -65,12 +85,14 @@ class BufferedRows:
 
     def next_segments(self) -> list[Segment]:
         """The next row's segments, counted; StopIteration once the upstream's epoch is packed."""
+        self._changes += 1
         while True:
             if self._span is not None:
                 return self._emit_span(self._span)
             if self._ready:
                 segments = self._emit(self._ready[0])  # a failed fetch leaves the row ready
-                self._ready.popleft()
+                self._ready_taken += 1
+                self._ready_cut += len(self._ready.popleft())
                 return segments
             if self._exhausted:
                 raise StopIteration
@@ -90,7 +112,7 @@ class BufferedRows:
             record = next(upstream)
         except StopIteration:
             self._exhausted = True
-            self._ready.extend(self._packer.flush())
+            self._ready_add(self._packer.flush())
             return
         key = upstream.last_key()
         if key is None:
@@ -109,20 +131,28 @@ class BufferedRows:
         """Tokens ``[start, full)`` of a record make whole rows of their own, ``[full, end)``
         one piece for the strategy (placed by its cost); return how many pieces were made.
         ``document`` is None for an inherited piece not fetched yet, whose ``extra`` is known."""
+        if not all(0 <= part < REF_LIMIT for part in key[-2:]):
+            raise StateError(
+                f"{self._documents.kind}: record key {key!r} holds a number a state cannot save "
+                f"(at most {REF_LIMIT - 1}); was the upstream's state damaged?"
+            )
         added = 0
         if full > start:  # held by the strategy, which lets them leave in step with the pieces
-            item = self._next_id
-            self._next_id = item + 1
+            item = self._table.add(key, start, full)
             self._pieces[item] = piece(key, start, full, document, extra)
-            self._ready.extend(self._packer.add_whole(item, (full - start) // self._seq_len))
+            self._ready_add(self._packer.add_whole(item, (full - start) // self._seq_len))
             added += 1
         if end > full:
-            item = self._next_id
-            self._next_id = item + 1
+            item = self._table.add(key, full, end)
             held = self._pieces[item] = piece(key, full, end, document, extra)
-            self._ready.extend(self._packer.add(item, held.cost))
+            self._ready_add(self._packer.add(item, held.cost))
             added += 1
         return added
+
+    def _ready_add(self, rows: list[Row]) -> None:
+        if rows:
+            self._ready.extend(rows)
+            self._ready_slots = None
 
     def _check_barren(self, key: RecordKey) -> None:
         """Fail instead of spinning forever when a whole upstream epoch gives no tokens (every
@@ -176,11 +206,13 @@ class BufferedRows:
         if first.end - first.start > self._seq_len:  # whole rows: the first of them
             segments = self._emit_span(first)
             del pieces[row[0]]
+            self._table.release(row[0])
             return segments
         held = [pieces[item] for item in row]
         documents = self._documents_of(held)  # before anything changes: a failed fetch leaves the row
         for item in row:
             del pieces[item]
+            self._table.release(item)
         segments = [Segment(document, part.start, part.end) for document, part in zip(documents, held)]
         count_row(self.counts, segments, self._seq_len)
         return segments
@@ -206,22 +238,44 @@ class BufferedRows:
     def progress(self) -> dict[str, Any]:
         """Every piece held, by reference, grouped as the strategy and the ready rows hold them;
         with a ``length_fn``, also the positions each piece's document reserves (``RESERVED``),
-        so a restore plans without fetching the records."""
-        pieces = self._pieces
-        groups = self._packer.groups()
+        so a restore plans without fetching the records.
+
+        The references, in the order open groups, ready rows, span, inherited, are one compact
+        encoding (``REFS``, see ``_refs``) cut by ``SECTIONS`` and the group sizes: gathered from
+        the table's columns by slot, so the cost is a few numpy calls, not a loop per piece."""
+        if self._saved is not None and self._saved[0] == self._changes:
+            return self._saved[1]
+        pieces, whole, open_sizes = self._packer.state_order()
+        table = self._table
+        ready_slots, ready_sizes = self._ready_state()
+        slots = np.concatenate([self._open_slots.of(pieces), np.array(whole, dtype=np.intp), ready_slots])
+        rows = table.rows(slots)
+        outside = ([self._span.ref] if self._span is not None else []) + [held.ref for held in self._inherited]
+        if outside:
+            rows = np.concatenate([rows, ref_rows(outside, table)], axis=1)
+        opened = len(pieces) + len(whole)
         progress = {
-            OPEN: [pieces[item].ref for group in groups for item in group],
-            OPEN_SIZES: [len(group) for group in groups],
-            READY: [pieces[item].ref for row in self._ready for item in row],
-            READY_SIZES: [len(row) for row in self._ready],
-            SPAN: self._span.ref if self._span is not None else [],
-            INHERITED: [held.ref for held in self._inherited],
+            REFS: encode(rows, table.origins),
+            SECTIONS: [opened, len(ready_slots), int(self._span is not None), len(self._inherited)],
+            OPEN_SIZES: open_sizes,
+            READY_SIZES: ready_sizes,
             EXHAUSTED: self._exhausted,
             STATS: dict(self.counts),
         }
         if self._documents.length_fn is not None:
             progress[RESERVED] = [held.extra for held in self._in_state_order()]
+        self._saved = (self._changes, progress)
         return progress
+
+    def _ready_state(self) -> tuple[np.ndarray, list[int]]:
+        """The slots of the ready rows' pieces, and each row's size."""
+        if self._ready_slots is None:
+            ready = self._ready
+            slots = np.fromiter(chain.from_iterable(ready), dtype=np.intp)
+            self._ready_slots = (slots, list(map(len, ready)))
+            self._ready_taken = self._ready_cut = 0
+        slots, sizes = self._ready_slots
+        return slots[self._ready_cut :], sizes[self._ready_taken :]
 
     def _in_state_order(self) -> Iterator[Piece]:
         """Every piece held, in the order of the references in ``progress``."""
@@ -247,6 +301,7 @@ class BufferedRows:
         an upstream that reads a stream front to back (a fetch per row would read it again
         each time), fetch every record now, in one call, as before."""
         seq_len = pack.seq_len
+        state = listed(state, path)
         open_groups = grouped(state, OPEN, OPEN_SIZES, path)
         ready_rows = grouped(state, READY, READY_SIZES, path)
         span_ref = require(state, SPAN, list, path)
@@ -258,7 +313,7 @@ class BufferedRows:
             + ([(span_ref, SPAN)] if span_ref else [])
             + [(entry, INHERITED) for entry in inherited_refs]
         )
-        fetcher = Refetcher(pack.upstream.fetch_many, pack._documents.read, path)
+        fetcher = Refetcher(pack.upstream.fetch_many, pack._documents.read, path, key_checker(pack.upstream))
         reserved = _reserved(state, len(entries), pack.length_fn is not None, path)
         lazy = reserved is not None and not _reads_streams(pack.upstream)
         extras = iter(reserved or ())
@@ -269,12 +324,13 @@ class BufferedRows:
             return fetcher.lazy(entry, where, next(extras)) if lazy else fetcher.piece(entry, where)
 
         pieces: dict[int, Piece] = {}
+        table = RefTable()
 
         def load(entry: Any, where: str) -> int:
             loaded = make(entry, where)
             if loaded.cost > seq_len and loaded.cost % seq_len:
                 raise StateError(f"{path}: {where} piece {entry} is longer than seq_len={seq_len}, not whole rows")
-            item = len(pieces)
+            item = table.add(loaded.key, loaded.start, loaded.end)
             pieces[item] = loaded
             return item
 
@@ -298,7 +354,7 @@ class BufferedRows:
         except ValueError as exc:
             raise StateError(f"{path}: the {OPEN} groups do not fit strategy {pack.strategy!r}: {exc}") from exc
         rows = cls(pack.upstream, pack._documents, packer, counts)
-        rows._pieces, rows._next_id = pieces, len(pieces)
+        rows._pieces, rows._table = pieces, table
         rows._ready, rows._span, rows._exhausted = ready, span, exhausted
         rows._inherited = inherited
         rows._fetcher = fetcher if lazy and entries else None
@@ -312,8 +368,9 @@ class BufferedRows:
         dealt out one by one."""
         pieces: list[Any] = []
         reserved: list[int] | None = []  # None once an old state does not say (saved before RESERVED)
-        for old in olds:
-            pack._check_config(old, path)
+        for saved in olds:
+            pack._check_config(saved, path)
+            old = listed(saved, path)
             open_refs, ready_refs = require(old, OPEN, list, path), require(old, READY, list, path)
             span = require(old, SPAN, list, path)
             inherited = require(old, INHERITED, list, path)
@@ -341,6 +398,37 @@ class BufferedRows:
         return state
 
 
+def expand_references(state: dict[str, Any]) -> dict[str, Any]:
+    """A streaming packer's own state (``kind`` Pack) with its piece references as lists
+    ``[*mix component names, epoch, record, token_start, token_end]`` under ``open``,
+    ``ready``, ``span`` and ``inherited``, as states held them before the compact form (for
+    tools and tests that read them; ``set_state`` takes either form)."""
+    return listed(state, str(state.get("kind", "Pack")))
+
+
+def listed(state: dict[str, Any], path: str) -> dict[str, Any]:
+    """``state`` with its references as lists, one per piece, under ``OPEN``, ``READY``,
+    ``SPAN`` and ``INHERITED``: the form states took before ``REFS`` (which still load as they
+    are), and what ``restored`` and ``rescaled`` read."""
+    if REFS not in state:
+        return state
+    refs = decode(state[REFS], path, REFS)
+    sections = require(state, SECTIONS, list, path)
+    if len(sections) != 4 or not all(is_count(count) for count in sections) or sections[2] > 1:
+        raise StateError(
+            f"{path}: state entry {SECTIONS!r} is {sections!r}, expected 4 counts (open, ready, span 0/1, inherited)"
+        )
+    if sum(sections) != len(refs):
+        raise StateError(f"{path}: {SECTIONS!r} counts {sum(sections)} pieces, {REFS!r} holds {len(refs)}")
+    opened, ready, span, _ = sections
+    listed = {key: value for key, value in state.items() if key not in (REFS, SECTIONS)}
+    listed[OPEN] = refs[:opened]
+    listed[READY] = refs[opened : opened + ready]
+    listed[SPAN] = refs[opened + ready] if span else []
+    listed[INHERITED] = refs[opened + ready + span :]
+    return listed
+
+
 def _reserved(state: dict[str, Any], count: int, length_fn: bool, path: str) -> list[int] | None:
     """The positions each of the ``count`` saved pieces reserves (all 0 without a
     ``length_fn``), or None where the state does not say (saved before ``RESERVED`` existed)."""
@@ -357,3 +445,29 @@ def _reserved(state: dict[str, Any], count: int, length_fn: bool, path: str) -> 
 def _reads_streams(upstream: Node[Any]) -> bool:
     """Whether the records come from a stream source, which reads its files front to back."""
     return any(isinstance(node, JsonlStream) for node in upstream._subtree())
+
+
+PASS_KEYS = (Filter, Map, Repeat, ReadAhead)
+"""Nodes whose items carry their upstream's keys unchanged (``fetch_many`` passes them on)."""
+
+
+def key_checker(upstream: Node[Any]) -> Callable[[RecordKey], str | None]:
+    """What is wrong with a key, where the upstream can tell without fetching (None where it
+    cannot, or nothing is): an indexed chain knows its leaf's length, a mix its components;
+    other nodes leave the check to the fetch when the key's row is due."""
+
+    def check(key: RecordKey) -> str | None:
+        node: Node[Any] | None = upstream
+        while isinstance(node, PASS_KEYS):
+            node = node.upstream
+        if isinstance(node, Mix):
+            name = key[0] if len(key) > 2 else None
+            if name not in node.components:
+                return f"{key!r} does not name a component of the mix first"
+            return key_checker(node.components[name])(key[1:])
+        if isinstance(node, IndexedNode) and len(key) == 2:
+            size = len(node.leaf)
+            return None if key[1] < size else f"record index {key[1]} out of range [0, {size})"
+        return None
+
+    return check

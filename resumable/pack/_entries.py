@@ -27,6 +27,10 @@ EXHAUSTED = "exhausted"
 # With a ``length_fn``: the positions each piece's document reserves beyond its tokens, one per
 # reference in the order open, ready, span, inherited, so a restore plans without the records.
 RESERVED = "reserved"
+# Since the compact form: every reference above (open, ready, span, inherited, in that order)
+# as one encoding of bit-packed ints (``_refs``), and how many belong to each of the four.
+REFS = "refs"
+SECTIONS = "sections"
 # Pieces handed over by other consumers in an elastic rescale, packed before the upstream's.
 INHERITED = "inherited"
 # Progress of a whole-epoch plan (``strategy="bfd"`` without ``buffer_size``); the epoch is the

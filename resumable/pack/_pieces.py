@@ -67,10 +67,12 @@ class Refetcher:
         fetch_many: Callable[[Sequence[RecordKey]], list[Any]],
         read: Callable[[Any, RecordKey], Document],
         path: str,
+        check: Callable[[RecordKey], str | None] | None = None,
     ) -> None:
         self._fetch_many = fetch_many
         self._read = read
         self._path = path
+        self._check_key = check
         self._records: dict[RecordKey, Document] = {}
         self._waiting: dict[RecordKey, int] = {}  # pieces not fetched yet, per record
 
@@ -116,8 +118,12 @@ class Refetcher:
         return piece(key, start, end, document)
 
     def lazy(self, entry: Any, where: str, extra: int) -> Piece:
-        """The piece ``entry`` names, reserving ``extra`` positions, its record not fetched yet."""
+        """The piece ``entry`` names, reserving ``extra`` positions, its record not fetched yet;
+        a key the upstream can tell is out of range without fetching is refused now."""
         key, start, end = self.parse(entry, where)
+        wrong = self._check_key(key) if self._check_key is not None else None
+        if wrong is not None:
+            raise StateError(f"{self._path}: {where} entry {entry} names no record: {wrong}")
         self.hold(key)
         return piece(key, start, end, None, extra)
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from bisect import bisect_left, insort
 from collections import OrderedDict, deque
+from itertools import chain
 from typing import Sequence
 
 import numpy as np
@@ -99,6 +100,22 @@ class Packer(ABC):
         """
         groups = self._piece_groups()
         return [*groups, [item for item, _ in self._whole]] if self._whole_limit else groups
+
+    def state_order(self) -> tuple[list[int], list[int], list[int]]:
+        """The items of ``groups()`` back to back, as the pieces' items and the whole rows'
+        items, and the size of each group: what a state saves, built without a list per group
+        (``get_state`` calls this often). The pieces' list may be the packer's own: read, never
+        modify; while it is the same object, it only grows (so a caller may cache what it
+        derived from its items so far)."""
+        items, sizes = self._piece_order()
+        if not self._whole_limit:
+            return items, [], sizes
+        return items, [item for item, _ in self._whole], [*sizes, len(self._whole)]
+
+    def _piece_order(self) -> tuple[list[int], list[int]]:
+        """The items of ``_piece_groups()`` back to back, and the size of each group."""
+        groups = self._piece_groups()
+        return list(chain.from_iterable(groups)), [len(group) for group in groups]
 
     def restore(self, groups: Sequence[Group]) -> None:
         """Rebuild an empty packer from ``groups()`` of another one (ids may be renamed).
@@ -377,6 +394,9 @@ class BestFit(Packer):
         self._items: list[int] = []
         self._lengths: list[int] = []
         self._rounds: list[int] = []
+        # Pieces that waited MAX_ROUNDS, ..., 1 rounds: the first groups, set by each round;
+        # the pieces after them in ``_items`` arrived since and wait in the last group.
+        self._settled: list[int] = [0] * MAX_ROUNDS
         self._tokens = 0
 
     def _place(self, item: int, length: int) -> list[Row]:
@@ -416,6 +436,7 @@ class BestFit(Packer):
         self._items = [items[i] for i in keep]
         self._lengths = [lengths[i] for i in keep]
         self._rounds = [rounds[i] + 1 for i in keep]
+        self._settled = [self._rounds.count(MAX_ROUNDS - index) for index in range(MAX_ROUNDS)]
         self._tokens = sum(self._lengths)
         return rows
 
@@ -426,12 +447,21 @@ class BestFit(Packer):
         return [[items[i] for i in row] for row in plan]
 
     def _piece_groups(self) -> list[Row]:
-        if not self._items:
-            return []
-        groups: list[Row] = [[] for _ in range(MAX_ROUNDS + 1)]
-        for item, waited in zip(self._items, self._rounds):
-            groups[MAX_ROUNDS - waited].append(item)
+        items, sizes = self._piece_order()
+        groups, start = [], 0
+        for size in sizes:
+            groups.append(items[start : start + size])
+            start += size
         return groups
+
+    def _piece_order(self) -> tuple[list[int], list[int]]:
+        """``_items`` as they are: rounds waited never grow with arrival order, so the groups
+        (most rounds first, arrival order within) are consecutive runs of it. Between rounds
+        the list only grows; a round, a flush and a restore replace it."""
+        items = self._items
+        if not items:
+            return [], []
+        return items, [*self._settled, len(items) - sum(self._settled)]
 
     def _ends_with_whole(self, groups: Sequence[Group]) -> bool:
         return len(groups) in (1, MAX_ROUNDS + 2)
@@ -453,6 +483,7 @@ class BestFit(Packer):
                 self._items.append(item)
                 self._lengths.append(length)
                 self._rounds.append(MAX_ROUNDS - index)
+        self._settled = [len(group) for group in groups[:MAX_ROUNDS]]
         self._tokens = sum(self._lengths)
 
     @property

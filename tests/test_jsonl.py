@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import resumable as rs
@@ -428,3 +428,45 @@ def test_corrupt_sidecar_never_fails_valid_data(tmp_path: Path, monkeypatch: pyt
     with pytest.warns(line_index.SidecarWarning, match="is corrupt"):
         shuffled = list(rs.jsonl(path).shuffle(4))
     assert sorted(shuffled, key=lambda r: r["id"]) == expected
+
+
+@given(
+    lines=st.lists(
+        st.one_of(
+            st.integers(0, 10**6).map(lambda value: json.dumps({"id": value})),
+            st.sampled_from(["{bad", '{"id": 1', "[1, 2", "nul"]),  # malformed records
+            st.sampled_from(["", "  ", "\t", "\r"]),  # blank lines (JSON whitespace only)
+        ),
+        min_size=1,
+        max_size=60,
+    ),
+    data=st.data(),
+)
+def test_malformed_records_inside_decode_runs_raise_or_skip_exactly(
+    tmp_path_factory: pytest.TempPathFactory, lines: list[str], data: st.DataObject
+) -> None:
+    """Small records are decoded in runs of up to 128 at once: a malformed record in a run must
+    still be raised at its own line, after every record before it, or skipped and counted."""
+    path = tmp_path_factory.mktemp("malformed") / "data.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    valid, first_bad = [], None
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            valid.append(json.loads(line))
+        except json.JSONDecodeError:
+            first_bad = first_bad or number
+    assume(valid or first_bad is not None)  # a file of blank lines has no records (tested elsewhere)
+    if first_bad is not None:
+        seen = []
+        with pytest.raises(rs.SourceError, match=rf"data\.jsonl:{first_bad}: malformed JSON record"):
+            for record in rs.jsonl(str(path)):
+                seen.append(record)
+        assert seen == valid[: len(seen)] and len(seen) == sum(1 for line in lines[: first_bad - 1] if line.strip())
+    skipping = rs.jsonl(str(path), on_error="skip")
+    assert list(skipping) == valid
+    assert skipping.stats["skipped"] == sum(1 for line in lines if line.strip()) - len(valid)
+    if valid:
+        k = data.draw(st.integers(0, 2 * len(valid)))
+        check_resume(lambda: rs.jsonl(str(path), on_error="skip"), k, 2 * len(valid))

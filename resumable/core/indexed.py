@@ -364,7 +364,7 @@ class IndexedNode(Node[T]):
         if not self._chain_ready:
             leaf = self.leaf
             self._decode = leaf._decoder()
-            self._decode_ahead = isinstance(leaf, IndexedNode) and leaf._decodes_whole_chunks
+            self._decode_ahead = leaf._decodes_whole_chunks
             self._fns = self._record_fns()
             self._chain_ready = True
 
@@ -394,10 +394,14 @@ class IndexedNode(Node[T]):
                 self._ended = True
                 return _END
             self._prepare_chain()
-            raws, offset = self._raw_chunk(start, min(size, total - start), self._epoch), 0
+            reads_ahead = self.leaf._reads_ahead()
+            # A remote leaf's first chunk after a restore is one record: the first record waits
+            # for the blocks holding it alone, the rest of the chunk is read ahead meanwhile.
+            count = 1 if reads_ahead and not self._raws else min(size, total - start)
+            raws, offset = self._raw_chunk(start, count, self._epoch), 0
             size = min(size * 2, MAX_CHUNK)
             following = start + len(raws)
-            if following < total and self.leaf._reads_ahead():  # the next chunk is known: fetch it now
+            if following < total and reads_ahead:  # the next chunk is known: fetch it now
                 positions = np.arange(following, min(following + size, total), dtype=np.int64)
                 self.leaf._read_ahead(self._leaf_indices(positions, self._epoch))
         records, guarded = self._decoded_run(raws, offset)

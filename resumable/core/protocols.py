@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, ClassVar, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -20,6 +20,10 @@ class Leaf(Protocol):
     def _decoder(self) -> Callable[[Any], Any] | None:
         """The function turning a raw record into a record; None when raw records are final."""
         ...
+
+    _decodes_whole_chunks: ClassVar[bool]
+    """Whether the cursor may decode a run of this leaf's raw records in one call, ahead of
+    handing them out (cheap decoders such as ``orjson.loads``)."""
 
     def _reads_ahead(self) -> bool:
         """Whether ``_read_ahead`` does anything (a remote source)."""

@@ -39,7 +39,8 @@ from resumable.loader_state import LoaderState, parse_loader_state
 from resumable.ops.mix import COMPONENTS
 from resumable.order.elastic import Offset, Remap, Reorder
 from resumable.order.shard import NEXT_REMAP, REMAP
-from resumable.pack._entries import INHERITED, OPEN, OPEN_SIZES, READY, READY_SIZES
+from resumable.pack._buffered import listed
+from resumable.pack._entries import INHERITED, OPEN, OPEN_SIZES, READY, READY_SIZES, REFS
 from resumable.pack.node import Pack
 from resumable.sources.files import FILES, LEGACY_FINGERPRINT_LENGTH, MTIME_NS, NAME, SIZE
 
@@ -288,6 +289,7 @@ def _cursor_text(state: dict[str, Any]) -> str:
 
 def _pack_buffer(node: dict[str, Any]) -> str:
     """The packer's buffered references: open rows still filling, closed rows not yet emitted."""
+    node = listed(node, str(node.get("kind", "Pack")))  # the compact form, as lists
     open_pieces, open_rows = len(node.get(OPEN, [])), len(node.get(OPEN_SIZES, []))
     ready_pieces, ready_rows = len(node.get(READY, [])), len(node.get(READY_SIZES, []))
     inherited = node.get(INHERITED, [])
@@ -404,7 +406,10 @@ def _check_fingerprint(fingerprint: Any, at: str) -> None:
 
 
 def _check_pack_buffer(node: dict[str, Any], at: str) -> None:
-    """The lists ``_pack_buffer`` counts, and the document key heading each reference."""
+    """The lists ``_pack_buffer`` counts, and the document key heading each reference (a
+    compact ``refs`` entry decoded first: ``StateError`` naming ``at`` when it is damaged)."""
+    if REFS in node:
+        node = listed(node, at)
     for key in (*PIECES, OPEN_SIZES, READY_SIZES):
         if key in node:
             _entry(node, key, at, lambda value: isinstance(value, list), "a list")

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 import resumable as rs
 from resumable import Node
 from resumable.ops.mix import Mix, mix
+from resumable.pack import expand_references
 from tests.resume import check_resume, restored, roundtrip, take
 from tests.sources import indexed_source, stream_source
 
@@ -328,11 +329,11 @@ def test_pack_after_mix_packs_every_token_once_and_keys_name_the_component() -> 
     pipe = mix({"web": rs.from_list(web), "code": rs.from_list(code)}).pack(20, buffer_size=5)
     for _ in range(10):  # until documents wait in the buffer
         next(pipe)
-        if pipe.get_state()["open"]:
+        if expand_references(pipe.get_state())["open"]:
             break
     keys = pipe.pending_keys()
     assert keys and all(key[0] in ("web", "code") and len(key) == 3 for key in keys)
-    state = pipe.get_state()
+    state = expand_references(pipe.get_state())
     references = state["open"] + state["ready"]
     assert references and all(ref[0] in ("web", "code") and len(ref) == 5 for ref in references)
 

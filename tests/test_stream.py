@@ -14,6 +14,7 @@ import pytest
 
 import resumable as rs
 from resumable.elastic import restore
+from resumable.pack import expand_references
 from resumable.sources import files
 from resumable.sources import stream as stream_module
 from tests.resume import check_resume, take
@@ -334,7 +335,7 @@ def test_a_packer_restore_reads_each_gzip_file_once(tmp_path: Path, monkeypatch:
 
     pipe = build()
     take(pipe, 40)
-    state = json.loads(json.dumps(pipe.get_state()))
+    state = expand_references(json.loads(json.dumps(pipe.get_state())))
     assert len(state["open"]) > 20
     opened: list[str] = []
     original = stream_module._open

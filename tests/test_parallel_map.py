@@ -14,7 +14,7 @@ import pytest
 
 import resumable as rs
 from resumable import Node
-from resumable.ops.parallel_map import MapError, ParallelMap
+from resumable.ops.parallel_map import MAX_CHUNK, MapError, ParallelMap
 from tests.resume import check_resume, take
 
 N = 60
@@ -36,9 +36,32 @@ def odd(x: int) -> bool:
 
 
 def fail_on_13(x: int) -> int:
-    if x == 13:
+    if x in FAILING:
         raise KeyError(f"no value for {x}")
     return x
+
+
+# Records fail_on_13 fails on: one in the first, one-record chunks, three in full chunks (two of
+# them in the same chunk).
+FAILING = (13, 300, 301, 700)
+
+
+def lock_on_200(x: int) -> Any:
+    """Returns an object that cannot be pickled, for one record."""
+    return threading.Lock() if x == 200 else x
+
+
+class CountedSquare:
+    """``square`` that counts how often it is pickled in this process."""
+
+    pickled = 0
+
+    def __reduce__(self) -> tuple[type[CountedSquare], tuple[()]]:
+        CountedSquare.pickled += 1
+        return (CountedSquare, ())
+
+    def __call__(self, x: int) -> int:
+        return x * x
 
 
 def shifted(record: dict[str, Any]) -> dict[str, Any]:
@@ -109,6 +132,44 @@ def test_in_flight_window_is_bounded() -> None:
     pipe.close()
 
 
+def test_chunks_grow_and_start_again_from_one_record_after_a_restore() -> None:
+    source = rs.from_list(list(range(3000)))
+    pipe = ParallelMap(source, square, num_workers=3)
+    assert take(pipe, 1000) == [x * x for x in range(1000)]
+    assert pipe._chunk_size == MAX_CHUNK
+    assert 1000 < source.position <= 1000 + 2 * 3 * MAX_CHUNK  # bounded read-ahead
+    state = pipe.get_state()
+    pipe.close()
+    source = rs.from_list(list(range(3000)))
+    resumed = ParallelMap(source, square, num_workers=3)
+    resumed.set_state(state)
+    assert next(resumed) == 1000 * 1000
+    # The first record after the restore went out in a chunk of its own; the window read as
+    # little ahead as before chunks existed.
+    assert source.position == 1000 + 2 * 3
+    assert take(resumed, 1999) == [x * x for x in range(1001, 3000)]
+    resumed.close()
+
+
+def test_process_map_resumes_exactly_far_into_the_epoch() -> None:
+    def build() -> Node[Any]:
+        pipe = rs.from_list(list(range(2000))).shuffle(4).map(square, num_workers=2, mode="process")
+        return pipe.filter(odd).batch(7)
+
+    check_resume(build, 90, 143, k2=120)  # past the full chunks, then into the next epoch
+    gc.collect()
+
+
+def test_fn_is_sent_once_per_worker_process() -> None:
+    CountedSquare.pickled = 0
+    pipe = rs.from_list(list(range(500))).map(CountedSquare(), num_workers=2, mode="process")
+    assert list(pipe) == [x * x for x in range(500)]
+    pipe.start_epoch(0)
+    assert take(pipe, 3) == [0, 1, 4]
+    pipe.close()
+    assert CountedSquare.pickled <= 1 + 2  # the check at construction, then once per worker
+
+
 def test_end_of_epoch_and_next_epoch() -> None:
     pipe = rs.from_list(list(range(10))).shuffle(1).map(square, num_workers=2)
     plain = rs.from_list(list(range(10))).shuffle(1).map(square)
@@ -175,6 +236,37 @@ def test_fn_error_arrives_in_order_with_the_record_key(mode: str) -> None:
     # The failed record was consumed, as with a serial map; iteration goes on after it.
     assert pipe.get_state()["upstream"]["position"] == 14
     assert list(pipe) == list(range(14, 20))
+    pipe.close()
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_fn_errors_inside_full_chunks_arrive_at_their_records(mode: str) -> None:
+    pipe = rs.from_list(list(range(1000))).map(fail_on_13, num_workers=2, mode=mode)
+    handed_out: list[int] = []
+    failed: list[Any] = []
+    while True:
+        try:
+            handed_out.append(next(pipe))
+        except MapError as error:
+            failed.append(error.key)
+            assert pipe.get_state()["upstream"]["position"] == error.key[1] + 1  # type: ignore[index]  # a (epoch, index) key
+            assert isinstance(error.__cause__, KeyError)
+            if mode == "process":  # the worker's traceback comes along, as concurrent.futures gives it
+                assert "fail_on_13" in str(error.__cause__.__cause__)
+        except StopIteration:
+            break
+    assert failed == [(0, x) for x in FAILING]
+    assert handed_out == [x for x in range(1000) if x not in FAILING]
+    pipe.close()
+
+
+def test_a_result_that_cannot_travel_fails_at_its_record_only() -> None:
+    pipe = rs.from_list(list(range(400))).map(lock_on_200, num_workers=2, mode="process")
+    assert take(pipe, 200) == list(range(200))
+    with pytest.raises(MapError) as info:
+        next(pipe)
+    assert info.value.key == (0, 200)
+    assert list(pipe) == list(range(201, 400))
     pipe.close()
 
 

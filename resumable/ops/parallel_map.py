@@ -1,21 +1,24 @@
 """ParallelMap: apply a function in a pool of threads or processes, keeping the order.
 
-The upstream is read in the consumer's thread, a bounded window ahead (``2 * num_workers``
-records); each record is submitted to a ``concurrent.futures`` pool together with the
-upstream state and key right after it. Results are handed out in upstream order, and the
-state is the one attached to the last result handed out, so the records in flight are read
-and mapped again after a restore.
+The upstream is read in the consumer's thread, a bounded window ahead; records go to a
+``concurrent.futures`` pool in chunks (one task maps a list of records), and each record keeps
+its own upstream state and key in the window. Results are handed out in upstream order, and the
+state is the one attached to the last result handed out, so the records in flight are read and
+mapped again after a restore. A process pool receives ``fn`` once per worker, when the worker
+starts, and then only records: a task costs the same whatever ``fn`` holds.
 """
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import pickle
 import threading
+import traceback
 import weakref
 from collections import deque
-from concurrent.futures import BrokenExecutor, Executor, ProcessPoolExecutor, ThreadPoolExecutor
-from typing import Any, Callable, Sequence, TypeVar
+from concurrent.futures import BrokenExecutor, Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
 from resumable.core.keys import RecordKey
 from resumable.core.node import Node
@@ -31,17 +34,28 @@ MODE = "mode"
 THREAD = "thread"
 PROCESS = "process"
 MODES = (THREAD, PROCESS)
-# Records read ahead of the consumer per worker: enough to keep every worker busy while the
-# consumer takes a result, small enough that a restore redoes little work.
+# Chunks in flight per worker: one being mapped and one queued behind it, so a worker never
+# waits for the consumer between two chunks.
 IN_FLIGHT_PER_WORKER = 2
+# Records per task. A chunk starts at one record after every restart of the window (a restore, a
+# new epoch), so the first record after a restore is mapped alone and handed out at once; the
+# size then doubles with each chunk handed out, up to MAX_CHUNK, where the pool's cost per task
+# (about 0.5 ms for a process pool) is a small share of a record's.
+FIRST_CHUNK = 1
+MAX_CHUNK = 64
 # Start method of process pools: "forkserver" does not fork the (possibly multi-threaded)
-# training process itself; the function and the records travel by pickle.
+# training process itself; the function (once per worker) and the records travel by pickle.
 PROCESS_START_METHOD = "forkserver"
 
 # Kinds of window entries: a submitted record, the end of the upstream's epoch, an upstream error.
 _RESULT = 0
 _END = 1
 _ERROR = 2
+
+# What one task returns: the results in order (None where fn raised) and, if fn raised, the
+# exception and, from a worker process, its formatted traceback, by the record's index in the chunk.
+Failures = Optional[dict[int, tuple[Exception, Optional[str]]]]
+Outcome = tuple[list[Any], Failures]
 
 
 class MapError(ResumableError):
@@ -51,6 +65,83 @@ class MapError(ResumableError):
     def __init__(self, message: str, key: RecordKey | None) -> None:
         super().__init__(message)
         self.key = key
+
+
+class RemoteTraceback(Exception):
+    """The traceback of an exception raised by ``fn`` in a worker process, as text; set as that
+    exception's ``__cause__`` in the consumer (as ``concurrent.futures`` does)."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def _map_items(fn: Callable[[Any], Any], items: list[Any], remote: bool) -> Outcome:
+    """``fn`` over ``items``: every record is mapped, a failure of one does not stop the others
+    (each record's error is handed out at that record, as if it had been mapped alone)."""
+    results: list[Any] = []
+    failures: Failures = None
+    for index, item in enumerate(items):
+        try:
+            results.append(fn(item))
+        except Exception as error:  # noqa: BLE001 - handed out at its record
+            results.append(None)
+            if failures is None:
+                failures = {}
+            failures[index] = _portable(error) if remote else (error, None)
+    return results, failures
+
+
+def _portable(error: Exception) -> tuple[Exception, str]:
+    """``error`` with its traceback text, or, if it cannot make the trip back from the worker,
+    the pickling error in its place (what a pool task that returned it would have raised)."""
+    try:
+        pickle.loads(pickle.dumps(error))
+    except Exception as failure:  # noqa: BLE001 - any pickling failure means the same
+        error = failure
+    return error, "".join(traceback.format_exception(error))
+
+
+def _no_function(item: Any) -> Any:
+    raise ResumableError("ParallelMap worker: no function installed (the pool's initializer did not run)")
+
+
+# The function of this worker process's pool, installed once when the worker starts.
+_worker_fn: Callable[[Any], Any] = _no_function
+
+
+def _install_fn(fn: Callable[[Any], Any]) -> None:
+    """Pool initializer: keep ``fn`` for every task of this worker process."""
+    global _worker_fn
+    _worker_fn = fn
+
+
+def _map_in_worker(items: list[Any]) -> Outcome:
+    """A process pool's task: the installed function over ``items``."""
+    return _map_items(_worker_fn, items, remote=True)
+
+
+def _with_cause(failure: tuple[Exception, str | None]) -> Exception:
+    """The exception of a failed record, its worker traceback (if any) as its cause."""
+    error, text = failure
+    if text is not None:
+        error.__cause__ = RemoteTraceback(text)
+    return error
+
+
+class _Chunk:
+    """Records submitted as one task, and the task's outcome once the consumer needed it."""
+
+    __slots__ = ("items", "future", "results", "failures")
+
+    def __init__(self) -> None:
+        self.items: list[Any] = []
+        self.future: Future[Outcome]  # set when the chunk is submitted, before _fill returns
+        self.results: list[Any] | None = None
+        self.failures: Failures = None
 
 
 def _stop_pool(pool: Executor, thread_prefix: str) -> None:
@@ -63,12 +154,14 @@ def _stop_pool(pool: Executor, thread_prefix: str) -> None:
 class ParallelMap(ReadAhead[U]):
     """Apply ``fn`` to each item in a pool of ``num_workers`` threads or processes (``mode``).
 
-    Results come in upstream order. At most ``2 * num_workers`` items are in flight; the state
-    is the upstream state as of the last result handed out. An exception in ``fn`` reaches the
-    consumer at that item as a ``MapError`` naming the item's key (its upstream ``last_key()``).
-    In process mode ``fn`` must be picklable (a module-level function, not a lambda), and so
-    must the items and results. The pool starts lazily and stops on ``close()``, on garbage
-    collection and at interpreter exit; it is kept across epochs and restores.
+    Results come in upstream order. Records go to the pool in chunks of 1 growing to
+    ``MAX_CHUNK`` (64); at most ``2 * num_workers`` chunks are in flight. The state is the
+    upstream state as of the last result handed out. An exception in ``fn`` reaches the
+    consumer at that item as a ``MapError`` naming the item's key (its upstream
+    ``last_key()``). In process mode ``fn`` must be picklable (a module-level function, not a
+    lambda), and so must the items and results; each worker process receives ``fn`` once. The
+    pool starts lazily and stops on ``close()``, on garbage collection and at interpreter exit;
+    it is kept across epochs and restores.
     """
 
     kind = "ParallelMap"
@@ -90,12 +183,18 @@ class ParallelMap(ReadAhead[U]):
                 ) from error
         self.fn = fn
         self.mode = mode
-        self.max_in_flight = IN_FLIGHT_PER_WORKER * self.num_workers
         self._pool: Executor | None = None
         self._finalizer: weakref.finalize[..., ParallelMap[U]] | None = None
-        # Entries (kind, future or error, upstream state after it, upstream last_key after it).
-        self._window: deque[tuple[int, Any, dict[str, Any], RecordKey | None]] = deque()
+        # Entries (kind, chunk or error, index in the chunk, upstream state after it, upstream
+        # last_key after it): one per record, in upstream order.
+        self._window: deque[tuple[int, Any, int, dict[str, Any], RecordKey | None]] = deque()
         self._upstream_done = False
+        self._chunk_size = FIRST_CHUNK
+
+    @property
+    def max_in_flight(self) -> int:
+        """Records the window holds at most now (it grows with the chunk size)."""
+        return IN_FLIGHT_PER_WORKER * self.num_workers * self._chunk_size
 
     # -- iteration --------------------------------------------------------------------------
 
@@ -104,39 +203,86 @@ class ParallelMap(ReadAhead[U]):
         self._fill()
         if not self._window:
             raise StopIteration  # the end was handed out already
-        kind, payload, state, key = self._window.popleft()
+        kind, payload, index, state, key = self._window.popleft()
         self._record(state, key)
         if kind == _END:
             raise StopIteration
         if kind == _ERROR:
             raise payload
-        try:
-            result: U = payload.result()
-            return result
-        except BrokenExecutor:
-            raise  # the pool died (a worker was killed): not an error of fn on this record
-        except Exception as error:  # noqa: BLE001 - wrapped with the record's key
+        chunk: _Chunk = payload
+        results = chunk.results if chunk.results is not None else self._resolve(chunk)
+        if chunk.failures is not None and index in chunk.failures:
+            error = _with_cause(chunk.failures[index])
             raise MapError(
                 f"{self.kind} ({self.mode}, {self.num_workers} workers) over {self.upstream!r}: "
                 f"fn raised {type(error).__name__} on the record with key {key}: {error}",
                 key,
             ) from error
+        result: U = results[index]
+        results[index] = None  # the consumer holds it now; the chunk need not
+        return result
+
+    def _resolve(self, chunk: _Chunk) -> list[Any]:
+        """Wait for ``chunk``'s task and keep its outcome; the next chunks grow."""
+        try:
+            chunk.results, chunk.failures = chunk.future.result()
+        except BrokenExecutor:
+            raise  # the pool died (a worker was killed): not an error of fn on these records
+        except Exception as error:  # noqa: BLE001 - the task itself failed, not fn
+            # The records or results could not travel (pickling): map each record alone, so the
+            # failure reaches the record it belongs to and the others are handed out.
+            chunk.results, chunk.failures = self._one_by_one(chunk.items, error)
+        chunk.items = []
+        self._chunk_size = min(MAX_CHUNK, 2 * self._chunk_size)
+        return chunk.results
+
+    def _one_by_one(self, items: list[Any], error: Exception) -> Outcome:
+        """The outcome of a chunk whose task failed as a whole, record by record."""
+        if len(items) == 1:
+            return [None], {0: (error, None)}
+        results: list[Any] = []
+        failures: dict[int, tuple[Exception, str | None]] = {}
+        for index, future in enumerate([self._submit([item]) for item in items]):
+            try:
+                [result], failed = future.result()
+            except BrokenExecutor:
+                raise
+            except Exception as item_error:  # noqa: BLE001 - this record's transport failed
+                result, failed = None, {0: (item_error, None)}
+            results.append(result)
+            if failed is not None:
+                failures[index] = failed[0]
+        return results, failures or None
 
     def _fill(self) -> None:
-        """Read the upstream and submit records until the window is full or the epoch ends."""
+        """Read the upstream and submit chunks of records until the window has no room for
+        another chunk or the epoch ends; every record read is submitted before returning."""
         upstream, window = self.upstream, self._window
-        while not self._upstream_done and len(window) < self.max_in_flight:
-            try:
-                item = next(upstream)
-            except StopIteration:
-                self._upstream_done = True
-                window.append((_END, None, upstream._state(progress=True), upstream.last_key()))
-                return
-            except Exception as error:  # noqa: BLE001 - handed out in order
-                window.append((_ERROR, error, upstream._state(progress=True), upstream.last_key()))
-                continue
-            future = self._executor().submit(self.fn, item)
-            window.append((_RESULT, future, upstream._state(progress=True), upstream.last_key()))
+        chunk = _Chunk()
+        try:
+            while not self._upstream_done and (chunk.items or len(window) + self._chunk_size <= self.max_in_flight):
+                try:
+                    item = next(upstream)
+                except StopIteration:
+                    self._upstream_done = True
+                    window.append((_END, None, 0, upstream._state(progress=True), upstream.last_key()))
+                    break
+                except Exception as error:  # noqa: BLE001 - handed out in order
+                    window.append((_ERROR, error, 0, upstream._state(progress=True), upstream.last_key()))
+                    continue
+                window.append((_RESULT, chunk, len(chunk.items), upstream._state(progress=True), upstream.last_key()))
+                chunk.items.append(item)
+                if len(chunk.items) == self._chunk_size:
+                    chunk.future = self._submit(chunk.items)
+                    chunk = _Chunk()
+        finally:  # even when interrupted: every chunk in the window has its task
+            if chunk.items:
+                chunk.future = self._submit(chunk.items)
+
+    def _submit(self, items: list[Any]) -> Future[Outcome]:
+        if self.mode == THREAD:
+            return self._executor().submit(_map_items, self.fn, items, False)
+        return self._executor().submit(_map_in_worker, items)
 
     def _executor(self) -> Executor:
         if self._pool is None:
@@ -146,19 +292,23 @@ class ParallelMap(ReadAhead[U]):
                 pool = ThreadPoolExecutor(self.num_workers, thread_name_prefix=name)
             else:
                 context = multiprocessing.get_context(PROCESS_START_METHOD)
-                pool = ProcessPoolExecutor(self.num_workers, mp_context=context)
+                pool = ProcessPoolExecutor(
+                    self.num_workers, mp_context=context, initializer=_install_fn, initargs=(self.fn,)
+                )
             self._pool = pool
             self._finalizer = weakref.finalize(self, _stop_pool, pool, name)
         return self._pool
 
     def _drop_ahead(self) -> bool:
-        """Forget the records in flight; the pool keeps running for the next ones."""
+        """Forget the records in flight; the pool keeps running for the next ones, which start
+        again from chunks of one record."""
         ran_ahead = bool(self._window)
-        for kind, payload, _, _ in self._window:
+        for kind, payload, _, _, _ in self._window:
             if kind == _RESULT:
-                payload.cancel()
+                payload.future.cancel()
         self._window.clear()
         self._upstream_done = False
+        self._chunk_size = FIRST_CHUNK
         return ran_ahead
 
     def _shutdown(self) -> None:
@@ -172,10 +322,19 @@ class ParallelMap(ReadAhead[U]):
             pool.shutdown(wait=True, cancel_futures=True)
 
     def fetch_many(self, keys: Sequence[RecordKey]) -> list[U]:
-        """The items with ``keys``, mapped through the node's pool (in order), so a packer's
-        restored rows map their records in parallel, as iteration does; a single item is
-        mapped in the calling thread, where the pool would only add a round trip."""
+        """The items with ``keys``, mapped through the node's pool (in order, one chunk per
+        worker), so a packer's restored rows map their records in parallel, as iteration does;
+        a single item is mapped in the calling thread, where the pool would only add a round
+        trip. An exception of ``fn`` is raised as it is."""
         items = self.upstream.fetch_many(keys)
         if len(items) < 2:
             return [self.fn(item) for item in items]
-        return list(self._executor().map(self.fn, items))
+        size = min(MAX_CHUNK, math.ceil(len(items) / self.num_workers))
+        futures = [self._submit(items[start : start + size]) for start in range(0, len(items), size)]
+        mapped: list[U] = []
+        for future in futures:
+            results, failures = future.result()
+            if failures is not None:
+                raise _with_cause(failures[min(failures)])
+            mapped.extend(results)
+        return mapped

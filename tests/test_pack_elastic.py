@@ -284,9 +284,9 @@ def loader_build() -> rs.Node:
 def test_loader_resumes_on_three_workers_what_two_left() -> None:
     from resumable.torch import Loader
 
-    old = Loader(loader_build, num_workers=2, snapshot_every_n_steps=3)
+    old = Loader(loader_build, num_workers=2)
     batches = iter(old)
-    head = [next(batches) for _ in range(7)]  # one batch since the last snapshot: replayed
+    head = [next(batches) for _ in range(7)]  # the workers' states as of the 7th batch
     state = json.loads(json.dumps(old.state_dict()))
     old.close()
     new = Loader(loader_build, num_workers=3)

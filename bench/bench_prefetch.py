@@ -29,7 +29,6 @@ sys.path.insert(0, str(ROOT))
 
 import resumable as rs  # noqa: E402
 from resumable import Node  # noqa: E402
-from resumable.ops.prefetch import close_pipeline  # noqa: E402
 
 TARGET_PREFETCH = 1.7
 REPEATS = 3
@@ -62,7 +61,7 @@ def run(build: Callable[[], Node[Any]], work: Callable[[], None] | None) -> floa
             pipe.get_state()
             count += 1
         best = min(best, time.perf_counter() - start)
-        close_pipeline(pipe)
+        pipe.close()
     return best
 
 

@@ -18,7 +18,6 @@ changed is a ``SourceError``.
 from __future__ import annotations
 
 import os
-from functools import partial
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -30,14 +29,11 @@ from resumable.sources.blocks import (
     BLOCK_BYTES,
     CACHE_BYTES,
     DISK_CACHE_BYTES,
-    BlockOptions,
     BlockReader,
-    Blocks,
-    fetch_pool,
 )
 from resumable.sources.files import NAME, Paths, WatchedFiles, reading, with_version
 from resumable.sources.parquet import group_take
-from resumable.sources.remote import FRESH_SECONDS, resolve
+from resumable.sources.remote import FRESH_SECONDS
 from resumable.sources.source import FileSource, PathSource
 
 FINGERPRINT = "fingerprint"
@@ -148,22 +144,20 @@ class ArrowSource(PathSource[dict[str, Any]]):
         disk_cache_bytes: int = DISK_CACHE_BYTES,
     ) -> None:
         super().__init__()
-        options = BlockOptions.checked(self.kind, block_bytes, cache_bytes, disk_cache_bytes, cache_dir)
-        self.paths, self._remote = resolve(paths, self.kind, storage_options, filesystem)
-        remote = self._remote
-        self._blocks = Blocks(options)
-        self._readers: list[BlockReader | None] = [None] * len(self.paths)
+        remote = self._resolve(
+            paths, storage_options, filesystem, cache_dir, block_bytes, cache_bytes, disk_cache_bytes
+        )
         if remote is None:
             per_file = [_read_batches(path, self.kind, None) for path in self.paths]
             self._files = WatchedFiles.of(self.kind, self.paths, ipc_digest)
         else:
-            # One request per object (in parallel) for its size, ETag and an open file, then
-            # the object read whole once: batches and IPC digest come from the same bytes.
-            heads = list(fetch_pool().map(lambda path: remote.head(path, self.kind), self.paths))
+            # Each object read whole once (through the block caches): batches and IPC digest
+            # come from the same bytes.
             fingerprints = []
             per_file = []
-            for file, (path, (info, handle)) in enumerate(zip(self.paths, heads)):
-                reader = self._readers[file] = self._blocks.reader(remote, path, info, self.kind, handle)
+            for file, path in enumerate(self.paths):
+                info = self._head(file)[0]
+                reader = self._block_reader(file, remote, check=False)
                 fingerprints.append([path, info.size, info.mtime_ns, _versioned_ipc_digest(reader, info.version)])
                 per_file.append(_read_batches(path, self.kind, reader))
             digest_hook = remote.digest(object_ipc_digest, self.kind)
@@ -211,18 +205,11 @@ class ArrowSource(PathSource[dict[str, Any]]):
         return batch
 
     def _reader(self, file: int) -> BlockReader | None:
-        """The block reader of remote file ``file`` (made again in a DataLoader worker); None
-        for a local file."""
-        remote = self._remote
-        if remote is None:
-            return None
-        reader = self._readers[file]
-        if reader is None:
-            info, handle = remote.head(self.paths[file], self.kind)
-            reader = self._blocks.reader(remote, self.paths[file], info, self.kind, handle)
-            self._files.confirm(file, info.size, info.mtime_ns, partial(_versioned_ipc_digest, reader, info.version))
-            self._readers[file] = reader
-        return reader
+        """The block reader of remote file ``file``; None for a local file."""
+        return None if self._remote is None else self._block_reader(file, self._remote)
+
+    def _content_digest(self, file: int, reader: BlockReader, version: str) -> str:
+        return _versioned_ipc_digest(reader, version)
 
     def _raw_range(self, start: int, count: int) -> Sequence[dict[str, Any]]:
         index = int(np.searchsorted(self._batch_starts, start, side="right")) - 1
@@ -235,9 +222,8 @@ class ArrowSource(PathSource[dict[str, Any]]):
         return group_take(indices, self._batch_starts, self._batch)
 
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
+        state = super().__getstate__()
         state["_batches"] = None
-        state["_readers"] = [None] * len(self.paths)
         state["_valid"] = [False] * len(self._valid)
         return state
 

@@ -22,10 +22,10 @@ import orjson
 
 from resumable.errors import ConfigError, SourceError
 from resumable.sources.blocks import BLOCK_BYTES as REMOTE_BLOCK_BYTES
-from resumable.sources.blocks import CACHE_BYTES, DISK_CACHE_BYTES, BlockOptions, BlockReader, Blocks, fetch_pool
+from resumable.sources.blocks import CACHE_BYTES, DISK_CACHE_BYTES, BlockReader
 from resumable.sources.files import Paths, WatchedFiles, reading
-from resumable.sources.line_index import Head, LineIndex, content_digest_in, remote_content_digest
-from resumable.sources.remote import FRESH_SECONDS, Remote, resolve
+from resumable.sources.line_index import LineIndex, content_digest_in, remote_content_digest
+from resumable.sources.remote import FRESH_SECONDS
 from resumable.sources.source import PathSource
 
 logger = logging.getLogger("resumable")
@@ -77,19 +77,11 @@ class JsonlSource(PathSource[Any]):
         super().__init__()
         if on_error not in ON_ERROR_CHOICES:
             raise ConfigError(f"{self.kind}: on_error must be one of {ON_ERROR_CHOICES}, got {on_error!r}")
-        options = BlockOptions.checked(self.kind, block_bytes, cache_bytes, disk_cache_bytes, cache_dir)
-        self.paths, self._remote = resolve(paths, self.kind, storage_options, filesystem)
+        remote = self._resolve(
+            paths, storage_options, filesystem, cache_dir, block_bytes, cache_bytes, disk_cache_bytes
+        )
         self.on_error = on_error
         self.cache_dir = cache_dir
-        self._blocks = Blocks(options)
-        remote = self._remote
-        # Remote objects: one request each (in parallel) for size, ETag and an open file, which
-        # key the cached index and serve the first reads.
-        self._heads: list[Head | None] = (
-            [None] * len(self.paths)
-            if remote is None
-            else list(fetch_pool().map(lambda path: remote.head(path, self.kind), self.paths))
-        )
         indices = [self._open_index(file) for file in range(len(self.paths))]
         self._indices: list[LineIndex | None] = list(indices)
         fingerprints = [[p, index.size, index.mtime_ns, index.content_digest] for p, index in zip(self.paths, indices)]
@@ -98,7 +90,6 @@ class JsonlSource(PathSource[Any]):
         else:
             digest = partial(remote_content_digest, remote, self.kind, cache_dir)
             self._files = WatchedFiles(self.kind, fingerprints, digest, remote.stat, fresh_for=FRESH_SECONDS)
-        self._readers: list[BlockReader | None] = [None] * len(self.paths)
         counts = [index.num_records for index in self._live_indices()]
         self._offsets = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
         self._total = int(self._offsets[-1])
@@ -136,16 +127,6 @@ class JsonlSource(PathSource[Any]):
             return LineIndex.open(path, cache_dir=self.cache_dir)
         return LineIndex.open_remote(self._remote, path, self.kind, self.cache_dir, self._head(file))
 
-    def _head(self, file: int) -> Head:
-        """Size, version and an open file of remote object ``file`` (one request, made again
-        after pickling into a DataLoader worker)."""
-        head = self._heads[file]
-        if head is None:
-            if self._remote is None:
-                raise ConfigError(f"{self.kind}: {self.paths[file]!r} is a local file")
-            head = self._heads[file] = self._remote.head(self.paths[file], self.kind)
-        return head
-
     def _index(self, file: int) -> LineIndex:
         index = self._indices[file]
         if index is None:  # reopened after pickling into a DataLoader worker
@@ -165,16 +146,8 @@ class JsonlSource(PathSource[Any]):
             self._maps[file] = mapped
         return mapped
 
-    def _reader(self, file: int, remote: Remote) -> BlockReader:
-        """The block reader of remote file ``file``, made on first use over the object the index
-        was opened on (checked unchanged)."""
-        reader = self._readers[file]
-        if reader is None:
-            self._index(file)
-            info, handle = self._head(file)
-            self._files.confirm(file, info.size, info.mtime_ns, lambda: self._index(file).content_digest)
-            reader = self._readers[file] = self._blocks.reader(remote, self.paths[file], info, self.kind, handle)
-        return reader
+    def _content_digest(self, file: int, reader: BlockReader, version: str) -> str:
+        return self._index(file).content_digest
 
     def _reads_ahead(self) -> bool:
         return self._remote is not None
@@ -186,7 +159,7 @@ class JsonlSource(PathSource[Any]):
         files = np.searchsorted(self._offsets, indices, side="right") - 1
         for file in np.unique(files).tolist():
             local = indices[files == file] - self._offsets[file]
-            self._reader(file, remote).read_ahead(*self._index(file).spans(local))
+            self._block_reader(file, remote).read_ahead(*self._index(file).spans(local))
 
     def _locate(self, index: int) -> tuple[int, int]:
         """``(file, record within file)`` of a global record index."""
@@ -224,7 +197,7 @@ class JsonlSource(PathSource[Any]):
     def _slices(self, file: int, local: np.ndarray) -> list[bytes]:
         remote = self._remote
         if remote is not None:
-            return self._reader(file, remote).ranges(*self._index(file).spans(local))
+            return self._block_reader(file, remote).ranges(*self._index(file).spans(local))
         mapped = self._map(file)
         index = self._index(file)
         starts, ends = index.spans(local)
@@ -251,11 +224,9 @@ class JsonlSource(PathSource[Any]):
     # -- pickling (DataLoader workers): memory maps and indices are reopened lazily ------------
 
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
+        state = super().__getstate__()
         state["_maps"] = [None] * len(self.paths)
         state["_indices"] = [None] * len(self.paths)
-        state["_readers"] = [None] * len(self.paths)
-        state["_heads"] = [None] * len(self.paths)
         return state
 
 

@@ -38,10 +38,7 @@ from resumable.sources._line_scan import UTF8_BOM, Scanner
 from resumable.sources._sidecar import SIDECAR_SUFFIX, SidecarWarning
 from resumable.sources.blocks import fetch_pool
 from resumable.sources.files import REMEDY, reading
-from resumable.sources.remote import ObjectInfo, Remote
-
-Head = tuple[ObjectInfo, pa.NativeFile]
-"""What ``Remote.head`` returns: an object's ``ObjectInfo`` and an open file over it."""
+from resumable.sources.remote import Head, ObjectInfo, Remote
 
 Progress = Callable[[int], None]
 """Called with the number of bytes processed since the previous call (e.g. ``tqdm.update``)."""

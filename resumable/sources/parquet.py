@@ -15,7 +15,6 @@ import os
 import struct
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 from typing import Any, BinaryIO, Callable, Mapping, Sequence
 
 import numpy as np
@@ -29,13 +28,10 @@ from resumable.sources.blocks import (
     CACHE_BYTES,
     DISK_CACHE_BYTES,
     BlockFile,
-    BlockOptions,
     BlockReader,
-    Blocks,
-    fetch_pool,
 )
 from resumable.sources.files import Paths, WatchedFiles, reading, with_version
-from resumable.sources.remote import FRESH_SECONDS, Remote, resolve
+from resumable.sources.remote import FRESH_SECONDS
 from resumable.sources.source import PathSource
 
 COLUMNS = "columns"
@@ -117,28 +113,21 @@ class ParquetSource(PathSource[dict[str, Any]]):
             columns = list(columns)
         if isinstance(cache_row_groups, bool) or not isinstance(cache_row_groups, int) or cache_row_groups < 1:
             raise ConfigError(f"{self.kind}: cache_row_groups must be an int >= 1, got {cache_row_groups!r}")
-        options = BlockOptions.checked(self.kind, block_bytes, cache_bytes, disk_cache_bytes, cache_dir)
-        self.paths, self._remote = resolve(paths, self.kind, storage_options, filesystem)
+        remote = self._resolve(
+            paths, storage_options, filesystem, cache_dir, block_bytes, cache_bytes, disk_cache_bytes
+        )
         self.columns = columns
         self.cache_row_groups = cache_row_groups
-        self._blocks = Blocks(options)
-        self._readers: list[BlockReader | None] = [None] * len(self.paths)
         self._handles: list[pq.ParquetFile | None] = [None] * len(self.paths)
-        remote = self._remote
         if remote is None:
             self._files = WatchedFiles.of(self.kind, self.paths, footer_digest)
         else:
-            # One request per object (in parallel) for its size, ETag and an open file; the
-            # footer digest reads the footer blocks that ParquetFile then finds cached.
-            heads = list(fetch_pool().map(lambda path: remote.head(path, self.kind), self.paths))
-            self._readers = [
-                self._blocks.reader(remote, path, info, self.kind, handle)
-                for path, (info, handle) in zip(self.paths, heads)
-            ]
-            fingerprints = [
-                [path, info.size, info.mtime_ns, versioned_footer_digest(reader, info.version)]
-                for path, (info, _), reader in zip(self.paths, heads, self._readers)
-            ]
+            # The footer digest reads the footer blocks that ParquetFile then finds cached.
+            fingerprints = []
+            for file, path in enumerate(self.paths):
+                info = self._head(file)[0]
+                reader = self._block_reader(file, remote, check=False)
+                fingerprints.append([path, info.size, info.mtime_ns, versioned_footer_digest(reader, info.version)])
             digest = remote.digest(file_footer_digest, self.kind)
             self._files = WatchedFiles(self.kind, fingerprints, digest, remote.stat, fresh_for=FRESH_SECONDS)
         counts: list[int] = []
@@ -193,18 +182,10 @@ class ParquetSource(PathSource[dict[str, Any]]):
         remote = self._remote
         if remote is None:
             return self.paths[file]
-        return pa.PythonFile(BlockFile(self._reader(file, remote)), mode="r")
+        return pa.PythonFile(BlockFile(self._block_reader(file, remote)), mode="r")
 
-    def _reader(self, file: int, remote: Remote) -> BlockReader:
-        """The block reader of remote file ``file`` (made again, after one request that checks
-        the object unchanged, in a DataLoader worker)."""
-        reader = self._readers[file]
-        if reader is None:
-            info, handle = remote.head(self.paths[file], self.kind)
-            reader = self._blocks.reader(remote, self.paths[file], info, self.kind, handle)
-            self._files.confirm(file, info.size, info.mtime_ns, partial(versioned_footer_digest, reader, info.version))
-            self._readers[file] = reader
-        return reader
+    def _content_digest(self, file: int, reader: BlockReader, version: str) -> str | None:
+        return versioned_footer_digest(reader, version)
 
     def _file(self, file: int) -> pq.ParquetFile:
         handle = self._handles[file]
@@ -281,7 +262,7 @@ class ParquetSource(PathSource[dict[str, Any]]):
             file = int(self._group_file[group])
             starts, ends = column_chunk_spans(self._file(file).metadata, int(self._group_local[group]), self.columns)
             if len(starts):
-                self._reader(file, remote).read_ahead(starts, ends)
+                self._block_reader(file, remote).read_ahead(starts, ends)
 
     def _decode_concurrently(self, groups: list[int]) -> None:
         """Decode several row groups at once, in threads (pyarrow releases the GIL): a resume
@@ -299,9 +280,8 @@ class ParquetSource(PathSource[dict[str, Any]]):
     # -- pickling (DataLoader workers): files are reopened lazily ------------------------------
 
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
+        state = super().__getstate__()
         state["_handles"] = [None] * len(self.paths)
-        state["_readers"] = [None] * len(self.paths)
         state["_cache"] = OrderedDict()
         return state
 

@@ -89,6 +89,10 @@ class ObjectInfo(NamedTuple):
     """``etag:<ETag>`` where the store reports one (S3), else ``edge:<edge digest>``."""
 
 
+Head = tuple[ObjectInfo, pa.NativeFile]
+"""What ``Remote.head`` returns: an object's ``ObjectInfo`` and an open file over it."""
+
+
 def is_transient(error: BaseException) -> bool:
     """Whether a retry may succeed: connection errors, timeouts, 5xx, 408 and 429 answers and
     throttling are transient; missing objects, denied access and bad credentials are not."""
@@ -141,7 +145,7 @@ class Remote:
             self._info(name, kind)  # a missing bucket, object or a directory: say which
             raise
 
-    def head(self, name: str, kind: str) -> tuple[ObjectInfo, pa.NativeFile]:
+    def head(self, name: str, kind: str) -> Head:
         """The object's ``ObjectInfo`` and a random-access file over it. On S3 one request (the
         HEAD that opening costs gives size, ETag and Last-Modified); elsewhere a stat and the
         two reads of the edge digest."""

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence, TypeVar
+from functools import partial
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import numpy as np
 
 from resumable.core.indexed import IndexedNode
 from resumable.core.state import require
-from resumable.sources.blocks import Blocks
-from resumable.sources.files import FILES, WatchedFiles
-from resumable.sources.remote import Remote
+from resumable.errors import ConfigError
+from resumable.sources.blocks import BlockOptions, BlockReader, Blocks, fetch_pool
+from resumable.sources.files import FILES, Paths, WatchedFiles
+from resumable.sources.remote import Head, Remote, resolve
 
 T = TypeVar("T")
 
@@ -79,12 +81,77 @@ class FileSource(Source[T]):
 
 class PathSource(FileSource[T]):
     """A file source over paths or URLs (JSONL, Parquet, Arrow): local files, or objects read
-    through the block caches of ``resumable.sources.blocks``. Subclasses set ``paths``,
-    ``_remote`` (None for local files) and ``_blocks``."""
+    through the block caches of ``resumable.sources.blocks``. Subclasses call ``_resolve`` and
+    implement ``_content_digest``; DataLoader workers open the objects again (pickling drops
+    open files and readers)."""
 
     paths: list[str]
     _remote: Remote | None
     _blocks: Blocks
+    _heads: list[Head | None]
+    _readers: list[BlockReader | None]
+
+    def _resolve(
+        self,
+        paths: Paths,
+        storage_options: Mapping[str, Any] | None,
+        filesystem: Any,
+        cache_dir: str | None,
+        block_bytes: int,
+        cache_bytes: int,
+        disk_cache_bytes: int,
+    ) -> Remote | None:
+        """Check the block options and expand ``paths``; for remote objects, open every one: a
+        request each, in parallel, for its size, ETag and an open file (``Remote.head``), which
+        key what the source caches and serve its first reads. Returns the ``Remote``, if any."""
+        options = BlockOptions.checked(self.kind, block_bytes, cache_bytes, disk_cache_bytes, cache_dir)
+        self.paths, remote = resolve(paths, self.kind, storage_options, filesystem)
+        self._remote = remote
+        self._blocks = Blocks(options)
+        self._readers = [None] * len(self.paths)
+        self._heads = (
+            [None] * len(self.paths)
+            if remote is None
+            else list(fetch_pool().map(lambda path: remote.head(path, self.kind), self.paths))
+        )
+        return remote
+
+    def _head(self, file: int) -> Head:
+        """Size, version and an open file of remote object ``file`` (one request, made again
+        after pickling into a DataLoader worker)."""
+        head = self._heads[file]
+        if head is None:
+            if self._remote is None:
+                raise ConfigError(f"{self.kind}: {self.paths[file]!r} is a local file")
+            head = self._heads[file] = self._remote.head(self.paths[file], self.kind)
+        return head
+
+    def _block_reader(self, file: int, remote: Remote, check: bool = True) -> BlockReader:
+        """The block reader of remote file ``file`` over the object as ``_head`` opened it, made
+        on first use; with ``check`` (every use but the constructor's, where the fingerprint
+        comes from that same request), first checked to be the object the source was built
+        on, its ``_content_digest`` computed only when its mtime moved."""
+        reader = self._readers[file]
+        if reader is None:
+            info, handle = self._head(file)
+            reader = self._blocks.reader(remote, self.paths[file], info, self.kind, handle)
+            if check:
+                self._files.confirm(
+                    file, info.size, info.mtime_ns, partial(self._content_digest, file, reader, info.version)
+                )
+            self._readers[file] = reader
+        return reader
+
+    def _content_digest(self, file: int, reader: BlockReader, version: str) -> str | None:
+        """The fingerprint digest of remote file ``file`` as ``reader`` reads it (``version``: its
+        ``ObjectInfo.version``)."""
+        raise NotImplementedError
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_heads"] = [None] * len(self.paths)
+        state["_readers"] = [None] * len(self.paths)
+        return state
 
     @property
     def stats(self) -> dict[str, int]:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
@@ -26,3 +28,28 @@ def run_ranks(main: Callable[..., None], ranks: int, args: tuple[Any, ...], limi
             for process in context.processes:
                 process.kill()
             raise AssertionError(f"the {ranks} ranks did not finish within {limit_s} s")
+
+
+@contextlib.contextmanager
+def process_group(rank: int, world_size: int, port: int) -> Iterator[None]:
+    """A gloo group on loopback for the forked rank ``rank``, destroyed after the block. Its
+    DataLoader workers fork too, as a process started by torchrun forks them (one started here
+    with "spawn" would spawn them, importing torch afresh in every worker)."""
+    mp.set_start_method("fork", force=True)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def train(loader: Any, epochs: int, stop_after: int | None = None, resumed: bool = False) -> list[list[Any]]:
+    """``[epoch, batch as a list of ints]`` for every batch of ``epochs`` epochs of ``loader`` (an
+    ``rs.torch.Loader``; a resumed one from its own epoch), or of its first ``stop_after`` batches."""
+    seen: list[list[Any]] = []
+    for epoch in range(loader.epoch if resumed else 0, epochs):
+        for batch in loader:
+            seen.append([epoch, [int(x) for x in batch]])
+            if len(seen) == stop_after:
+                return seen
+    return seen

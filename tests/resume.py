@@ -69,3 +69,14 @@ def check_resume(build: Build, k: int, total: int, k2: int | None = None) -> Non
     middle = take(resumed, k2 - k)
     again = restored(build, resumed.get_state())
     assert head + middle + take(again, total - k2) == expected
+
+
+def loader_batches(loader: Any, stop: int | None = None) -> tuple[list[list[int]], Any]:
+    """The batches of ``loader`` (an ``rs.torch.Loader``) as lists of ints, until the epoch ends
+    or ``stop`` batches were taken; with ``stop``, also the loader's state then, through JSON."""
+    seen: list[list[int]] = []
+    for batch in loader:
+        seen.append([int(x) for x in batch])
+        if len(seen) == stop:
+            return seen, json.loads(json.dumps(loader.state_dict()))
+    return seen, None

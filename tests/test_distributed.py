@@ -9,13 +9,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 
 import resumable as rs
 from resumable.torch import Loader, PerRank
-from tests.processes import free_port, run_ranks
+from tests.processes import free_port, process_group, run_ranks, train
 
 DOCUMENTS = 211
 EPOCHS = 2
@@ -32,39 +30,23 @@ def build() -> rs.Node:
     )
 
 
-def train(loader: Loader, stop_after: int | None = None, resumed: bool = False) -> list[Any]:
-    seen: list[Any] = []
-    for epoch in range(loader.epoch if resumed else 0, EPOCHS):
-        for batch in loader:
-            seen.append([epoch, [int(x) for x in batch]])
-            if len(seen) == stop_after:
-                return seen
-    return seen
-
-
 def rank_main(rank: int, world_size: int, port: int, phase: str, out: str, num_workers: int, stop_after: int) -> None:
-    # A process started by torchrun forks its DataLoader workers; one started here with
-    # "spawn" would spawn them too, importing torch afresh in every worker.
-    mp.set_start_method("fork", force=True)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    try:
+    with process_group(rank, world_size, port):
         result: dict[str, Any] = {}
         if phase == "first":
-            result["full"] = train(Loader(build, num_workers=num_workers))
+            result["full"] = train(Loader(build, num_workers=num_workers), EPOCHS)
             loader = Loader(build, num_workers=num_workers)
-            result["head"] = train(loader, stop_after=stop_after)
+            result["head"] = train(loader, EPOCHS, stop_after=stop_after)
             rs.save_state(loader.state_dict(), Path(out) / f"rank{rank}.json")
             dcp.save({"data": PerRank(loader)}, checkpoint_id=str(Path(out) / "dcp"))
         else:
             from_file = Loader(build, num_workers=num_workers)
             from_file.load_state_dict(rs.load_state(Path(out) / f"rank{rank}.json"))
-            result["tail_file"] = train(from_file, resumed=True)
+            result["tail_file"] = train(from_file, EPOCHS, resumed=True)
             from_dcp = Loader(build, num_workers=num_workers)
             dcp.load({"data": PerRank(from_dcp)}, checkpoint_id=str(Path(out) / "dcp"))
-            result["tail_dcp"] = train(from_dcp, resumed=True)
+            result["tail_dcp"] = train(from_dcp, EPOCHS, resumed=True)
         (Path(out) / f"{phase}{rank}.json").write_text(json.dumps(result))
-    finally:
-        dist.destroy_process_group()
 
 
 def run_group(world_size: int, phase: str, out: Path, num_workers: int, stop_after: int) -> list[dict[str, Any]]:

@@ -6,7 +6,6 @@ the URL."""
 from __future__ import annotations
 
 import functools
-import json
 from typing import Any
 
 import numpy as np
@@ -15,7 +14,7 @@ import pytest
 
 import resumable as rs
 from resumable.torch import Loader
-from tests.resume import check_resume, restored, take
+from tests.resume import check_resume, loader_batches, restored, take
 from tests.s3server import BUCKET, KEY_ID, REGION, SECRET, S3Server
 from tests.sources import _file
 
@@ -80,20 +79,12 @@ def test_loader_with_two_workers_resumes_exactly(s3: dict[str, Any], kind: str) 
     def make() -> Loader:
         return Loader(lambda: build().map(record_id).batch(4, collate_fn=np.array), num_workers=2, prefetch_factor=2)
 
-    def ids(loader: Loader, stop: int | None = None) -> tuple[list[list[int]], Any]:
-        seen: list[list[int]] = []
-        for batch in loader:
-            seen.append([int(x) for x in batch])
-            if len(seen) == stop:
-                return seen, json.loads(json.dumps(loader.state_dict()))
-        return seen, None
-
-    expected, _ = ids(make())
+    expected, _ = loader_batches(make())
     assert sorted(x for batch in expected for x in batch) == list(range(len(RECORDS)))
-    head, state = ids(make(), stop=len(expected) // 2)
+    head, state = loader_batches(make(), stop=len(expected) // 2)
     resumed = make()
     resumed.load_state_dict(state)
-    tail, _ = ids(resumed)
+    tail, _ = loader_batches(resumed)
     assert head + tail == expected
 
 

@@ -11,12 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import resumable as rs
 from resumable.torch import Loader
-from tests.processes import free_port, run_ranks
+from tests.processes import free_port, process_group, run_ranks, train
 from tests.s3server import S3Server
 from tests.sources import _file
 
@@ -34,33 +32,19 @@ def build(kind: str, url: str, options: dict[str, Any], cache_dir: str) -> rs.No
     return source.shuffle(seed=7).shard().map(lambda record: int(record["id"])).batch(4)
 
 
-def train(loader: Loader, stop_after: int | None = None, resumed: bool = False) -> list[list[Any]]:
-    seen: list[list[Any]] = []
-    for epoch in range(loader.epoch if resumed else 0, EPOCHS):
-        for batch in loader:
-            seen.append([epoch, [int(x) for x in batch]])
-            if len(seen) == stop_after:
-                return seen
-    return seen
-
-
 def rank_main(rank: int, port: int, phase: str, out: str, make: Any) -> None:
-    mp.set_start_method("fork", force=True)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
-    try:
+    with process_group(rank, WORLD_SIZE, port):
         result: dict[str, Any] = {}
         if phase == "first":
-            result["full"] = train(Loader(make, num_workers=NUM_WORKERS))
+            result["full"] = train(Loader(make, num_workers=NUM_WORKERS), EPOCHS)
             loader = Loader(make, num_workers=NUM_WORKERS)
-            result["head"] = train(loader, stop_after=STOP_AFTER)
+            result["head"] = train(loader, EPOCHS, stop_after=STOP_AFTER)
             rs.save_state(loader.state_dict(), Path(out) / f"rank{rank}.json")
         else:
             resumed = Loader(make, num_workers=NUM_WORKERS)
             resumed.load_state_dict(rs.load_state(Path(out) / f"rank{rank}.json"))
-            result["tail"] = train(resumed, resumed=True)
+            result["tail"] = train(resumed, EPOCHS, resumed=True)
         (Path(out) / f"{phase}{rank}.json").write_text(json.dumps(result))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -6,7 +6,6 @@ failure a ``StateError``/``SourceError`` naming the URL."""
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 from pathlib import Path
@@ -18,7 +17,7 @@ import pytest
 import resumable as rs
 from resumable.sources._sidecar import SIDECAR_SUFFIX
 from resumable.torch import Loader
-from tests.resume import check_resume, restored, take
+from tests.resume import check_resume, loader_batches, restored, take
 from tests.s3server import BUCKET, S3Server
 from tests.sources import _file
 
@@ -83,20 +82,12 @@ def test_loader_workers_share_the_cached_index(s3: dict[str, Any]) -> None:
     def make() -> Loader:
         return Loader(build, num_workers=2, prefetch_factor=2)
 
-    def ids(loader: Loader, stop: int | None = None) -> tuple[list[list[int]], Any]:
-        seen: list[list[int]] = []
-        for batch in loader:
-            seen.append([int(x) for x in batch])
-            if len(seen) == stop:
-                return seen, json.loads(json.dumps(loader.state_dict()))
-        return seen, None
-
-    expected, _ = ids(make())
+    expected, _ = loader_batches(make())
     assert sorted(x for batch in expected for x in batch) == list(range(len(RECORDS)))
-    head, state = ids(make(), stop=len(expected) // 2)
+    head, state = loader_batches(make(), stop=len(expected) // 2)
     resumed = make()
     resumed.load_state_dict(state)
-    assert head + ids(resumed)[0] == expected
+    assert head + loader_batches(resumed)[0] == expected
     assert sorted(Path(s3["cache"]).glob(f"*{SIDECAR_SUFFIX}")) == sidecars
     assert [path.stat().st_mtime_ns for path in sidecars] == built  # reused, never rebuilt
 

@@ -24,7 +24,7 @@ import pytest
 import resumable as rs
 from resumable.sources import remote
 from resumable.torch import Loader
-from tests.resume import check_resume, restored, roundtrip, take
+from tests.resume import check_resume, loader_batches, restored, roundtrip, take
 from tests.s3proxy import FaultProxy
 from tests.s3server import BUCKET, KEY_ID, REGION, SECRET, S3Server
 from tests.sources import _file
@@ -145,20 +145,12 @@ def test_loader_workers(s3: dict[str, Any], num_workers: int) -> None:
     def make() -> Loader:
         return Loader(build, num_workers=num_workers, prefetch_factor=2 if num_workers else None)
 
-    def ids(loader: Loader, stop: int | None = None) -> tuple[list[list[int]], Any]:
-        seen: list[list[int]] = []
-        for batch in loader:
-            seen.append([int(x) for x in batch])
-            if len(seen) == stop:
-                return seen, json.loads(json.dumps(loader.state_dict()))
-        return seen, None
-
-    expected, _ = ids(make())
+    expected, _ = loader_batches(make())
     assert sorted(x for batch in expected for x in batch) == [record["id"] for record in RECORDS]
-    head, state = ids(make(), stop=len(expected) // 2 + 1)
+    head, state = loader_batches(make(), stop=len(expected) // 2 + 1)
     resumed = make()
     resumed.load_state_dict(state)
-    assert head + ids(resumed)[0] == expected
+    assert head + loader_batches(resumed)[0] == expected
 
 
 def test_pickling_or_closing_stops_the_read_ahead(s3: dict[str, Any]) -> None:

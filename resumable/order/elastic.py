@@ -31,7 +31,7 @@ import binascii
 import zlib
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Sequence, TypeGuard, Union
+from typing import TYPE_CHECKING, Any, Sequence, TypeGuard, Union
 
 import numpy as np
 
@@ -109,8 +109,51 @@ def shard_sizes(total: int, num_consumers: int) -> np.ndarray:
     return np.where(consumers < total, (total - consumers + num_consumers - 1) // num_consumers, 0)
 
 
+class _BandAndTail:
+    """What a ``Level`` and a ``Share`` of it both are: a space of ``band`` positions (what old
+    consumers left below the fastest cursor, ``top``) followed by the parent's tail (every
+    position from ``top`` strides on). Subclasses map the band; the tail maps the same way."""
+
+    parent_length: int
+    top: int
+    band: int
+
+    if TYPE_CHECKING:  # a Level derives these, a Share holds them as fields
+
+        @property
+        def consumers(self) -> int: ...
+
+        @property
+        def lowest(self) -> int: ...
+
+        @property
+        def digest(self) -> int: ...
+
+    @property
+    def tail_start(self) -> int:
+        """The first parent position of the tail (every position from here on is left)."""
+        return min(self.top * self.consumers, self.parent_length)
+
+    def __len__(self) -> int:
+        return self.band + self.parent_length - self.tail_start
+
+    def _tail_parents(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Parent positions of ``positions`` as if all were in the tail, and which are in the
+        band (the subclass maps those)."""
+        positions = np.asarray(positions, dtype=np.int64)
+        return positions - self.band + self.tail_start, positions < self.band
+
+    def header(self) -> tuple[int, int, int, int, int, int]:
+        """What a share of this level repeats of it (``Share``'s first fields)."""
+        return (self.parent_length, self.consumers, self.top, self.band, self.lowest, self.digest)
+
+    def compacted(self) -> Offset:
+        """This level for positions in its tail only."""
+        return Offset(self.tail_start - self.band)
+
+
 @dataclass(frozen=True)
-class Level:
+class Level(_BandAndTail):
     """The positions left by ``C`` consumers at ``cursors`` in a parent space of ``parent_length``."""
 
     parent_length: int
@@ -139,19 +182,10 @@ class Level:
     def consumers(self) -> int:
         return len(self.cursors)
 
-    @property
-    def tail_start(self) -> int:
-        """The first parent position of the tail (every position from here on is left)."""
-        return min(self.top * self.consumers, self.parent_length)
-
-    def __len__(self) -> int:
-        return self.band + self.parent_length - self.tail_start
-
     def to_parent(self, positions: np.ndarray) -> np.ndarray:
         """Parent positions of positions of this level's space."""
         positions = np.asarray(positions, dtype=np.int64)
-        parents = positions - self.band + self.tail_start
-        in_band = positions < self.band
+        parents, in_band = self._tail_parents(positions)
         if in_band.any():
             band_positions = positions[in_band]
             owner = np.searchsorted(self._band_starts, band_positions, side="right") - 1
@@ -191,13 +225,9 @@ class Level:
         """CRC-32 of the cursors: shares of levels from different checkpoints never merge."""
         return zlib.crc32(self.cursors.astype("<i8").tobytes())
 
-    def compacted(self) -> Offset:
-        """This level for positions in its tail only."""
-        return Offset(self.tail_start - self.band)
-
 
 @dataclass(frozen=True)
-class Share:
+class Share(_BandAndTail):
     """The part of a ``Level`` that one new consumer can ask for: the band positions ``keys``
     (sorted) and their ``parents``; the tail maps as in the level. Positions of the band it
     does not hold raise ``IndexError``: they belong to other consumers."""
@@ -212,21 +242,13 @@ class Share:
     parents: np.ndarray
 
     @property
-    def tail_start(self) -> int:
-        return min(self.top * self.consumers, self.parent_length)
-
-    @property
     def cursors(self) -> np.ndarray:
         """The slowest and the fastest old cursor: all a share keeps of them."""
         return np.array([self.lowest, self.top], dtype=np.int64)
 
-    def __len__(self) -> int:
-        return self.band + self.parent_length - self.tail_start
-
     def to_parent(self, positions: np.ndarray) -> np.ndarray:
         positions = np.asarray(positions, dtype=np.int64)
-        parents = positions - self.band + self.tail_start
-        in_band = positions < self.band
+        parents, in_band = self._tail_parents(positions)
         if in_band.any():
             wanted = positions[in_band]
             found = np.minimum(np.searchsorted(self.keys, wanted), max(len(self.keys) - 1, 0))
@@ -242,9 +264,6 @@ class Share:
     @cached_property
     def floor(self) -> int:
         return int(self.parents.min()) if len(self.parents) else self.tail_start
-
-    def header(self) -> tuple[int, int, int, int, int, int]:
-        return (self.parent_length, self.consumers, self.top, self.band, self.lowest, self.digest)
 
     def to_json(self) -> dict[str, Any]:
         return self._json
@@ -263,14 +282,10 @@ class Share:
             PARENTS: encode_ints(self.parents),
         }
 
-    def compacted(self) -> Offset:
-        return Offset(self.tail_start - self.band)
-
 
 def _share_of(level: Level | Share, keys: np.ndarray) -> Share:
     """``level`` restricted to the band positions ``keys`` (sorted, unique, below the band)."""
-    header = (level.parent_length, level.consumers, level.top, level.band, level.lowest, level.digest)
-    return Share(*header, keys, level.to_parent(keys))
+    return Share(*level.header(), keys, level.to_parent(keys))
 
 
 def _union(shares: Sequence[Share], path: str) -> Share:

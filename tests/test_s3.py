@@ -6,6 +6,7 @@ the URL."""
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import numpy as np
@@ -188,3 +189,17 @@ def test_a_state_moves_between_a_local_copy_and_the_uploaded_object(s3: dict[str
         head = take(pipe, 20)
         resumed = restored(restored_on, pipe.get_state())
         assert head + take(resumed, len(RECORDS) - 20) == take(saved_on(), len(RECORDS))
+
+
+@pytest.mark.parametrize("kind", ["arrow", "arrow_stream"])
+def test_an_arrow_object_is_fetched_once_to_build_the_source(s3: dict[str, Any], kind: str, tmp_path: Any) -> None:
+    """Its batches and its fingerprint's IPC digest come from the same bytes, even when the
+    memory tier cannot hold the object and the disk tier is off."""
+    server: S3Server = s3["server"]
+    path = _file(kind, [{"id": i, "text": "w" * 200} for i in range(300)])  # ~60 kB
+    url = server.upload(path, f"fetched-once/data.{kind}")
+    tiny = {"block_bytes": 1024, "cache_bytes": 4096, "disk_cache_bytes": 0, "cache_dir": str(tmp_path)}
+    remote = rs.arrow(url, storage_options=server.options, **tiny)
+    assert os.path.getsize(path) > 10 * 4096
+    assert remote.stats["bytes_fetched"] == os.path.getsize(path)
+    assert list(remote) == list(rs.arrow(path))

@@ -67,11 +67,11 @@ def file_ipc_digest(source: pa.NativeFile) -> str:
     return f"arrow-ipc-metadata-xxh3_64:{hasher.hexdigest()}"
 
 
-def _read_batches(path: str, kind: str, reader: BlockReader | None) -> list[pa.RecordBatch]:
+def _read_batches(path: str, kind: str, data: pa.Buffer | None) -> list[pa.RecordBatch]:
     """Record batches of an Arrow IPC file (file or streaming format): memory-mapped for a
-    local file, read whole into memory (through the block caches) for a remote object."""
-    if reader is not None:
-        source = pa.BufferReader(_object_buffer(reader))
+    local file, from ``data``, its bytes (``_object_buffer``), for a remote object."""
+    if data is not None:
+        source = pa.BufferReader(data)
     else:
         with reading(f"{kind}: cannot open {path!r}"):
             source = pa.memory_map(path, "r")
@@ -84,10 +84,10 @@ def _read_batches(path: str, kind: str, reader: BlockReader | None) -> list[pa.R
         return [reader_.get_batch(i) for i in range(reader_.num_record_batches)]
 
 
-def _versioned_ipc_digest(reader: BlockReader, version: str) -> str:
-    """``ipc_digest`` of a remote object (read through the block caches) with its version."""
+def _versioned_ipc_digest(data: pa.Buffer, reader: BlockReader, version: str) -> str:
+    """``ipc_digest`` of the bytes ``data`` of the object ``reader`` reads, with its version."""
     with reading(f"{reader.kind}: {reader.name!r} is neither an Arrow IPC file nor an Arrow IPC stream"):
-        return with_version(file_ipc_digest(pa.BufferReader(_object_buffer(reader))), version)
+        return with_version(file_ipc_digest(pa.BufferReader(data)), version)
 
 
 def _object_buffer(reader: BlockReader) -> pa.Buffer:
@@ -158,8 +158,9 @@ class ArrowSource(PathSource[dict[str, Any]]):
             for file, path in enumerate(self.paths):
                 info = self._head(file)[0]
                 reader = self._block_reader(file, remote, check=False)
-                fingerprints.append([path, info.size, info.mtime_ns, _versioned_ipc_digest(reader, info.version)])
-                per_file.append(_read_batches(path, self.kind, reader))
+                data = _object_buffer(reader)
+                fingerprints.append([path, info.size, info.mtime_ns, _versioned_ipc_digest(data, reader, info.version)])
+                per_file.append(_read_batches(path, self.kind, data))
             digest_hook = remote.digest(object_ipc_digest, self.kind)
             self._files = WatchedFiles(self.kind, fingerprints, digest_hook, remote.stat, fresh_for=FRESH_SECONDS)
         self._batch_file = [file for file, batches in enumerate(per_file) for _ in batches]
@@ -195,7 +196,7 @@ class ArrowSource(PathSource[dict[str, Any]]):
             batches = self._batches = [
                 batch
                 for file, path in enumerate(self.paths)
-                for batch in _read_batches(path, self.kind, self._reader(file))
+                for batch in _read_batches(path, self.kind, self._object_data(file))
             ]
         batch = batches[index]
         if not self._valid[index]:  # memory-mapped batches are not validated on reading
@@ -204,12 +205,12 @@ class ArrowSource(PathSource[dict[str, Any]]):
             self._valid[index] = True
         return batch
 
-    def _reader(self, file: int) -> BlockReader | None:
-        """The block reader of remote file ``file``; None for a local file."""
-        return None if self._remote is None else self._block_reader(file, self._remote)
+    def _object_data(self, file: int) -> pa.Buffer | None:
+        """The bytes of remote file ``file`` (through the block caches); None for a local file."""
+        return None if self._remote is None else _object_buffer(self._block_reader(file, self._remote))
 
     def _content_digest(self, file: int, reader: BlockReader, version: str) -> str:
-        return _versioned_ipc_digest(reader, version)
+        return _versioned_ipc_digest(_object_buffer(reader), reader, version)
 
     def _raw_range(self, start: int, count: int) -> Sequence[dict[str, Any]]:
         index = int(np.searchsorted(self._batch_starts, start, side="right")) - 1

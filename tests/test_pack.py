@@ -454,7 +454,7 @@ def test_a_whole_epoch_plan_rejects_more_rows_than_it_has() -> None:
 
 def test_compact_references_round_trip_exactly() -> None:
     """Origins (mix paths), epochs, records up to int64, split starts and whole rows' lengths."""
-    from resumable.pack._refs import RefTable, decode, encode, ref_rows
+    from resumable.pack._refs import RefTable, decode
 
     refs = [
         [0, 5, 0, 7],
@@ -463,10 +463,56 @@ def test_compact_references_round_trip_exactly() -> None:
         [1, 17, 2048, 2049],
         [0, 5, 0, 7],
     ]
-    table = RefTable()
-    encoded = json.loads(json.dumps(encode(ref_rows(refs, table), table.origins)))
+    table = RefTable(capacity=2)  # grows
+    slots = np.array([table.add(tuple(ref[:-2]), ref[-2], ref[-1]) for ref in refs])
+    encoded = json.loads(json.dumps(table.encode(slots)))
     assert decode(encoded, "Pack", "refs") == refs
-    assert decode(encode(ref_rows([], table), table.origins), "Pack", "refs") == []
+    assert decode(table.encode(slots[::-1]), "Pack", "refs") == refs[::-1]
+    assert decode(table.encode(slots[:0]), "Pack", "refs") == []
+    assert decode(RefTable().encode(slots[:0]), "Pack", "refs") == []
+
+
+def test_a_reference_table_packs_each_piece_once_and_refits_when_one_does_not_fit() -> None:
+    """Pieces packed when they arrive under the table's layout; one outside it (a record below
+    the base, a new epoch, a start that the scale does not divide) makes the next encoding the
+    smallest layout that holds every piece held, and pieces let go no longer count."""
+    from resumable.pack._refs import RefTable, decode
+
+    table = RefTable()
+    held = {table.add((0, record), 0, 100 + record): [0, record, 0, 100 + record] for record in (40, 50, 60)}
+
+    def encoded() -> dict[str, Any]:
+        slots = np.array(list(held))
+        encoding = table.encode(slots)
+        assert decode(encoding, "Pack", "refs") == list(held.values())
+        return encoding
+
+    assert encoded()["base"] == [0, 0, 40, 0, 140] and encoded()["bits"] == [0, 0, 5, 0, 5]
+    held[table.add((0, 45), 0, 150)] = [0, 45, 0, 150]  # fits: packed as it arrives
+    assert encoded()["base"] == [0, 0, 40, 0, 140]
+    for ref in ([1, 7, 0, 3], [0, 55, 2048 * 3, 2048 * 3 + 9], [0, 41, 2048, 2049]):
+        held[table.add(tuple(ref[:2]), ref[2], ref[3])] = ref
+        encoded()
+    assert encoded()["base"] == [0, 0, 7, 0, 1] and encoded()["scale"] == [1, 1, 1, 2048, 1]
+    held[table.add((0, 42), 5, 6)] = [0, 42, 5, 6]  # a start 2048 does not divide
+    assert encoded()["scale"] == [1, 1, 1, 1, 1]
+    for slot in [slot for slot, ref in held.items() if ref[1] < 41 or ref[2]]:
+        table.release(slot)
+        del held[slot]
+    held[table.add((0, 3), 0, 7)] = [0, 3, 0, 7]  # below the base: the held pieces alone set the layout
+    assert encoded()["base"] == [0, 0, 3, 0, 7] and encoded()["scale"] == [1, 1, 1, 1, 1]
+
+
+def test_a_restored_packer_saves_the_state_it_was_given_and_then_what_the_original_saves() -> None:
+    """The restored table adopts the saved layout, so states match byte for byte as both go on."""
+    pipe = build_first_fit()
+    take(pipe, 3)
+    resumed = build_first_fit()
+    resumed.set_state(json.loads(json.dumps(pipe.get_state())))
+    assert resumed.get_state() == pipe.get_state()
+    for row, expected in zip(resumed, pipe, strict=True):
+        assert row["input_ids"].tolist() == expected["input_ids"].tolist()
+        assert resumed.get_state() == pipe.get_state()
 
 
 def compact_state() -> dict[str, Any]:

@@ -34,7 +34,7 @@ from resumable.pack._entries import (
     STATS,
 )
 from resumable.pack._pieces import Piece, Refetcher, count_row, grouped, is_count, piece, untraceable
-from resumable.pack._refs import REF_LIMIT, GrowingSlots, RefTable, decode, encode, ref_rows
+from resumable.pack._refs import REF_LIMIT, GrowingSlots, RefTable, decode
 from resumable.pack.rows import Segment
 from resumable.pack.strategies import Packer, Row
 from resumable.sources.stream import JsonlStream
@@ -60,7 +60,9 @@ class BufferedRows:
         self._seq_len = documents.seq_len
         self.counts = dict.fromkeys(COUNTERS, 0) if counts is None else counts
         self._packer = packer
-        self._pieces: dict[int, Piece] = {}  # by slot of ``_table``, which holds their references
+        # Every piece held (the strategy's, the ready rows', the span and the inherited ones), by
+        # slot of ``_table``, which holds their references packed for the state.
+        self._pieces: dict[int, Piece] = {}
         self._table = RefTable()
         # What ``progress`` derived, kept while it holds: the open pieces' slots (their list only
         # grows between a strategy's rounds); the ready rows' slots and sizes, valid from
@@ -72,8 +74,9 @@ class BufferedRows:
         self._changes = 0
         self._saved: tuple[int, dict[str, Any]] | None = None
         self._ready: deque[Row] = deque()
-        self._span: Piece | None = None
-        self._inherited: deque[Piece] = deque()
+        self._span: int | None = None  # the slot of the whole rows left of a long document
+        self._inherited = np.zeros(0, dtype=np.intp)  # slots of the inherited pieces, from
+        self._inherited_taken = 0  # this many on: those before are pulled
         self._exhausted = False
         # After a restore: fetches the records of restored pieces as their rows are handed out.
         self._fetcher: Refetcher | None = None
@@ -100,8 +103,11 @@ class BufferedRows:
 
     def _pull(self) -> None:
         """Take one document from upstream (or an inherited piece); at its end, flush the open rows."""
-        if self._inherited:
-            held = self._inherited.popleft()
+        if self._inherited_taken < len(self._inherited):
+            slot = int(self._inherited[self._inherited_taken])
+            self._inherited_taken += 1
+            held = self._pieces[slot]
+            self._let_go(slot)
             full = held.start + (held.end - held.start) // self._seq_len * self._seq_len
             added = self._add(held.key, held.start, full, held.end, held.document, held.extra)
             if held.document is None and self._fetcher is not None:  # its pieces wait for the record now
@@ -138,16 +144,26 @@ class BufferedRows:
             )
         added = 0
         if full > start:  # held by the strategy, which lets them leave in step with the pieces
-            item = self._table.add(key, start, full)
-            self._pieces[item] = piece(key, start, full, document, extra)
+            item = self._hold(piece(key, start, full, document, extra))
             self._ready_add(self._packer.add_whole(item, (full - start) // self._seq_len))
             added += 1
         if end > full:
-            item = self._table.add(key, full, end)
-            held = self._pieces[item] = piece(key, full, end, document, extra)
+            held = piece(key, full, end, document, extra)
+            item = self._hold(held)
             self._ready_add(self._packer.add(item, held.cost))
             added += 1
         return added
+
+    def _hold(self, held: Piece) -> int:
+        """The slot of a piece now held, its reference in the table."""
+        slot = self._table.add(held.key, held.start, held.end, held.extra)
+        self._pieces[slot] = held
+        return slot
+
+    def _let_go(self, slot: int) -> None:
+        """A piece handed out (or replaced) is held no more."""
+        del self._pieces[slot]
+        self._table.release(slot)
 
     def _ready_add(self, rows: list[Row]) -> None:
         if rows:
@@ -191,11 +207,14 @@ class BufferedRows:
             return cast("list[Document]", [part.document for part in held])
         return self._fetcher.documents(held)
 
-    def _emit_span(self, span: Piece) -> list[Segment]:
-        """The next whole row of a long document."""
+    def _emit_span(self, slot: int) -> list[Segment]:
+        """The next whole row of a long document (the piece in ``slot``, let go; what is left of
+        it becomes the span)."""
+        span = self._pieces[slot]
         (document,) = self._documents_of([span])
         stop = span.start + self._seq_len
-        self._span = piece(span.key, stop, span.end, document) if stop < span.end else None
+        self._let_go(slot)
+        self._span = self._hold(piece(span.key, stop, span.end, document)) if stop < span.end else None
         segments = [Segment(document, span.start, stop)]
         count_row(self.counts, segments, self._seq_len)
         return segments
@@ -204,15 +223,11 @@ class BufferedRows:
         pieces = self._pieces
         first = pieces[row[0]]
         if first.end - first.start > self._seq_len:  # whole rows: the first of them
-            segments = self._emit_span(first)
-            del pieces[row[0]]
-            self._table.release(row[0])
-            return segments
+            return self._emit_span(row[0])
         held = [pieces[item] for item in row]
         documents = self._documents_of(held)  # before anything changes: a failed fetch leaves the row
         for item in row:
-            del pieces[item]
-            self._table.release(item)
+            self._let_go(item)
         segments = [Segment(document, part.start, part.end) for document, part in zip(documents, held)]
         count_row(self.counts, segments, self._seq_len)
         return segments
@@ -225,9 +240,9 @@ class BufferedRows:
 
     def _buffered(self) -> Iterator[Piece]:
         pieces = self._pieces
-        yield from self._inherited
+        yield from (pieces[item] for item in self._inherited[self._inherited_taken :].tolist())
         if self._span is not None:
-            yield self._span
+            yield pieces[self._span]
         for row in self._ready:
             yield from (pieces[item] for item in row)
         for group in self._packer.groups():
@@ -241,29 +256,28 @@ class BufferedRows:
         so a restore plans without fetching the records.
 
         The references, in the order open groups, ready rows, span, inherited, are one compact
-        encoding (``REFS``, see ``_refs``) cut by ``SECTIONS`` and the group sizes: gathered from
-        the table's columns by slot, so the cost is a few numpy calls, not a loop per piece."""
+        encoding (``REFS``, see ``_refs``) cut by ``SECTIONS`` and the group sizes. Every piece's
+        reference was packed when it arrived, and the slots in state order are kept as the
+        strategy and the ready rows change, so a state is one gather of packed words by slot and
+        its base64, not a pass over the buffer."""
         if self._saved is not None and self._saved[0] == self._changes:
             return self._saved[1]
         pieces, whole, open_sizes = self._packer.state_order()
-        table = self._table
         ready_slots, ready_sizes = self._ready_state()
-        slots = np.concatenate([self._open_slots.of(pieces), np.array(whole, dtype=np.intp), ready_slots])
-        rows = table.rows(slots)
-        outside = ([self._span.ref] if self._span is not None else []) + [held.ref for held in self._inherited]
-        if outside:
-            rows = np.concatenate([rows, ref_rows(outside, table)], axis=1)
-        opened = len(pieces) + len(whole)
+        span = np.array([self._span] if self._span is not None else [], dtype=np.intp)
+        inherited = self._inherited[self._inherited_taken :]
+        opened = [self._open_slots.of(pieces), np.array(whole, dtype=np.intp)]
+        slots = np.concatenate([*opened, ready_slots, span, inherited])
         progress = {
-            REFS: encode(rows, table.origins),
-            SECTIONS: [opened, len(ready_slots), int(self._span is not None), len(self._inherited)],
+            REFS: self._table.encode(slots),
+            SECTIONS: [len(pieces) + len(whole), len(ready_slots), len(span), len(inherited)],
             OPEN_SIZES: open_sizes,
             READY_SIZES: ready_sizes,
             EXHAUSTED: self._exhausted,
             STATS: dict(self.counts),
         }
         if self._documents.length_fn is not None:
-            progress[RESERVED] = [held.extra for held in self._in_state_order()]
+            progress[RESERVED] = self._table.extras(slots)
         self._saved = (self._changes, progress)
         return progress
 
@@ -276,17 +290,6 @@ class BufferedRows:
             self._ready_taken = self._ready_cut = 0
         slots, sizes = self._ready_slots
         return slots[self._ready_cut :], sizes[self._ready_taken :]
-
-    def _in_state_order(self) -> Iterator[Piece]:
-        """Every piece held, in the order of the references in ``progress``."""
-        pieces = self._pieces
-        for group in self._packer.groups():
-            yield from (pieces[item] for item in group)
-        for row in self._ready:
-            yield from (pieces[item] for item in row)
-        if self._span is not None:
-            yield self._span
-        yield from self._inherited
 
     @classmethod
     def restored(
@@ -301,7 +304,11 @@ class BufferedRows:
         an upstream that reads a stream front to back (a fetch per row would read it again
         each time), fetch every record now, in one call, as before."""
         seq_len = pack.seq_len
+        compact = state.get(REFS)
         state = listed(state, path)
+        table = RefTable()
+        if compact is not None:  # checked by ``listed``: the pieces are saved again as they were saved
+            table.adopt(compact)
         open_groups = grouped(state, OPEN, OPEN_SIZES, path)
         ready_rows = grouped(state, READY, READY_SIZES, path)
         span_ref = require(state, SPAN, list, path)
@@ -324,13 +331,14 @@ class BufferedRows:
             return fetcher.lazy(entry, where, next(extras)) if lazy else fetcher.piece(entry, where)
 
         pieces: dict[int, Piece] = {}
-        table = RefTable()
 
         def load(entry: Any, where: str) -> int:
             loaded = make(entry, where)
-            if loaded.cost > seq_len and loaded.cost % seq_len:
+            if where == SPAN and (loaded.end - loaded.start) % seq_len:
+                raise StateError(f"{path}: {SPAN} {entry} is not a whole number of rows of {seq_len}")
+            if where in (OPEN, READY) and loaded.cost > seq_len and loaded.cost % seq_len:
                 raise StateError(f"{path}: {where} piece {entry} is longer than seq_len={seq_len}, not whole rows")
-            item = table.add(loaded.key, loaded.start, loaded.end)
+            item = table.add(loaded.key, loaded.start, loaded.end, loaded.extra)
             pieces[item] = loaded
             return item
 
@@ -342,12 +350,8 @@ class BufferedRows:
             if not items or (used > seq_len and len(items) > 1) or len(items) > (pack.max_documents or seq_len):
                 raise StateError(f"{path}: a ready row {row} does not fit a row of seq_len={seq_len}")
             ready.append(items)
-        span = None
-        if span_ref:
-            span = make(span_ref, SPAN)
-            if (span.end - span.start) % seq_len:
-                raise StateError(f"{path}: {SPAN} {span_ref} is not a whole number of rows of {seq_len}")
-        inherited = deque(make(entry, INHERITED) for entry in inherited_refs)
+        span = load(span_ref, SPAN) if span_ref else None
+        inherited = np.array([load(entry, INHERITED) for entry in inherited_refs], dtype=np.intp)
 
         try:
             packer.restore([[(item, pieces[item].cost) for item in group] for group in groups])

@@ -69,6 +69,7 @@ class BufferedRows:
         # ``_ready_taken`` rows (``_ready_cut`` slots) on while no row is added; and the last
         # progress itself, valid while ``_changes`` (rows asked for) has not moved.
         self._open_slots = GrowingSlots()
+        self._whole_slots = GrowingSlots()
         self._ready_slots: tuple[np.ndarray, list[int]] | None = None
         self._ready_taken = self._ready_cut = 0
         self._changes = 0
@@ -262,16 +263,16 @@ class BufferedRows:
         its base64, not a pass over the buffer."""
         if self._saved is not None and self._saved[0] == self._changes:
             return self._saved[1]
-        pieces, whole, open_sizes = self._packer.state_order()
+        order = self._packer.state_order()
         ready_slots, ready_sizes = self._ready_state()
         span = np.array([self._span] if self._span is not None else [], dtype=np.intp)
         inherited = self._inherited[self._inherited_taken :]
-        opened = [self._open_slots.of(pieces), np.array(whole, dtype=np.intp)]
+        opened = [self._open_slots.of(order.pieces), self._whole_slots.of(order.whole)[order.whole_from :]]
         slots = np.concatenate([*opened, ready_slots, span, inherited])
         progress = {
             REFS: self._table.encode(slots),
-            SECTIONS: [len(pieces) + len(whole), len(ready_slots), len(span), len(inherited)],
-            OPEN_SIZES: open_sizes,
+            SECTIONS: [len(opened[0]) + len(opened[1]), len(ready_slots), len(span), len(inherited)],
+            OPEN_SIZES: order.sizes,
             READY_SIZES: ready_sizes,
             EXHAUSTED: self._exhausted,
             STATS: dict(self.counts),

@@ -25,7 +25,7 @@ from abc import ABC, abstractmethod
 from bisect import bisect_left, insort
 from collections import OrderedDict, deque
 from itertools import chain
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
@@ -40,6 +40,22 @@ STRATEGIES = ("greedy", "first_fit", "best_fit", "bfd")
 
 # best_fit: a buffered piece that has waited this many planning rounds leaves at the next one.
 MAX_ROUNDS = 4
+# The whole-row items that left are dropped from the front of their list once they are this
+# many and at least half of it (so the list is copied in amortised O(1) per item).
+WHOLE_COMPACT = 64
+
+
+class StateOrder(NamedTuple):
+    """The items of ``groups()`` back to back, as a state saves them: the pieces' items, the
+    whole rows' items (``whole[whole_from:]``), and the size of each group. The two lists may
+    be the packer's own: read, never modify; while either is the same object as at an earlier
+    call, it has only grown at its end since (so a caller may keep what it derived from the
+    items it saw), and ``whole_from`` only grown."""
+
+    pieces: list[int]
+    whole: list[int]
+    whole_from: int
+    sizes: list[int]
 
 
 class Packer(ABC):
@@ -67,6 +83,8 @@ class Packer(ABC):
         self._whole_limit = max_whole  # 0 after restoring groups saved without whole rows
         self._whole: deque[tuple[int, int]] = deque()  # (id, rows), oldest first
         self._whole_rows = 0
+        self._whole_items: list[int] = []  # the ids of ``_whole`` from ``_whole_from`` on (``state_order``)
+        self._whole_from = 0
         self._tokens = 0
 
     def add(self, item: int, length: int) -> list[Row]:
@@ -83,6 +101,7 @@ class Packer(ABC):
         if not self._tokens or not self._whole_limit:
             return [[item]]
         self._whole.append((item, rows))
+        self._whole_items.append(item)
         self._whole_rows += rows
         if len(self._whole) > self._whole_limit:
             return [[self._pop_whole()[0]]]
@@ -101,16 +120,13 @@ class Packer(ABC):
         groups = self._piece_groups()
         return [*groups, [item for item, _ in self._whole]] if self._whole_limit else groups
 
-    def state_order(self) -> tuple[list[int], list[int], list[int]]:
-        """The items of ``groups()`` back to back, as the pieces' items and the whole rows'
-        items, and the size of each group: what a state saves, built without a list per group
-        (``get_state`` calls this often). The pieces' list may be the packer's own: read, never
-        modify; while it is the same object, it only grows (so a caller may cache what it
-        derived from its items so far)."""
+    def state_order(self) -> StateOrder:
+        """What a state saves of ``groups()``, built without a list per group or per whole-row
+        item (``get_state`` calls this with every batch)."""
         items, sizes = self._piece_order()
         if not self._whole_limit:
-            return items, [], sizes
-        return items, [item for item, _ in self._whole], [*sizes, len(self._whole)]
+            return StateOrder(items, [], 0, sizes)
+        return StateOrder(items, self._whole_items, self._whole_from, [*sizes, len(self._whole)])
 
     def _piece_order(self) -> tuple[list[int], list[int]]:
         """The items of ``_piece_groups()`` back to back, and the size of each group."""
@@ -134,6 +150,7 @@ class Packer(ABC):
                 raise ValueError(f"whole rows of {length} tokens are not a multiple of seq_len={self.seq_len}")
             self._whole.append((item, length // self.seq_len))
             self._whole_rows += length // self.seq_len
+        self._whole_items, self._whole_from = [item for item, _ in self._whole], 0
         if len(self._whole) > self.max_whole:
             raise ValueError(f"{len(self._whole)} whole-row items wait, at most {self.max_whole} do")
         if self._whole and not self._tokens:
@@ -184,6 +201,9 @@ class Packer(ABC):
         """The oldest whole-row item and its rows, no longer held."""
         item, rows = self._whole.popleft()
         self._whole_rows -= rows
+        self._whole_from += 1
+        if self._whole_from >= WHOLE_COMPACT and 2 * self._whole_from >= len(self._whole_items):
+            self._whole_items, self._whole_from = self._whole_items[self._whole_from :], 0
         return item, rows
 
     def _check_length(self, length: int) -> None:

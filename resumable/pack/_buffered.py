@@ -12,7 +12,7 @@ import numpy as np
 
 from resumable.core.indexed import IndexedNode
 from resumable.core.keys import RecordKey
-from resumable.core.state import ENDED, require
+from resumable.core.state import require
 from resumable.errors import ConfigError, SourceError, StateError
 from resumable.ops.filter import Filter
 from resumable.ops.map import Map
@@ -369,38 +369,11 @@ class BufferedRows:
     def rescaled(
         pack: Pack, olds: list[dict[str, Any]], path: str, consumer: int, num_consumers: int
     ) -> dict[str, Any]:
-        """A fresh epoch state holding this consumer's share of every old consumer's pieces,
-        dealt out one by one."""
-        pieces: list[Any] = []
-        reserved: list[int] | None = []  # None once an old state does not say (saved before RESERVED)
-        for saved in olds:
-            pack._check_config(saved, path)
-            old = listed(saved, path)
-            open_refs, ready_refs = require(old, OPEN, list, path), require(old, READY, list, path)
-            span = require(old, SPAN, list, path)
-            inherited = require(old, INHERITED, list, path)
-            pieces.extend(inherited)
-            if span:
-                pieces.append(span)
-            pieces.extend(ready_refs)
-            pieces.extend(open_refs)
-            counts = (len(open_refs), len(ready_refs), 1 if span else 0, len(inherited))
-            extras = _reserved(old, sum(counts), pack.length_fn is not None, path)
-            if extras is None or reserved is None:
-                reserved = None
-                continue
-            parts, at = [], 0  # RESERVED holds open, ready, span, inherited: dealt in the reverse order
-            for count in counts:
-                parts.append(extras[at : at + count])
-                at += count
-            reserved.extend(extra for part in reversed(parts) for extra in part)
-        state = pack._header()
-        sizes = [len(group) for group in pack._new_packer(1).groups()]  # an empty strategy's (format) groups
-        state.update({OPEN: [], OPEN_SIZES: sizes, READY: [], READY_SIZES: [], SPAN: [], EXHAUSTED: False})
-        state.update({INHERITED: pieces[consumer::num_consumers], STATS: dict.fromkeys(COUNTERS, 0), ENDED: False})
-        if pack.length_fn is not None and reserved is not None:
-            state[RESERVED] = reserved[consumer::num_consumers]
-        return state
+        """A fresh epoch state holding the whole buffers of the old consumers this consumer
+        inherits from (``resumable.pack._rescale``: the others' buffers are not read)."""
+        from resumable.pack._rescale import rescaled  # not at the top: that module imports this one
+
+        return rescaled(pack, olds, path, consumer, num_consumers)
 
 
 def expand_references(state: dict[str, Any]) -> dict[str, Any]:

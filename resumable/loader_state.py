@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from resumable.core.state import INT64_MAX, LOADER_FORMAT, LOADER_FORMAT_PREFIX, check_json, require
@@ -91,15 +92,26 @@ class LoaderState:
     num_workers: int
     snapshot_every: int
     finished: bool
-    pipelines: list[dict[str, Any]]
+    texts: list[str]
     snapshot_step: int
     steps_since_snapshot: int
     last_yielded_worker: int
+    where: str
 
     @property
     def handed_out(self) -> int:
         """Batches of this pass handed out when the state was taken."""
         return self.snapshot_step + self.steps_since_snapshot
+
+    @cached_property
+    def pipelines(self) -> list[dict[str, Any]]:
+        """Each worker's pipeline state, parsed from ``texts`` (the JSON text the Loader state
+        holds) on first use: an elastic resume parses most old workers' states itself and keeps
+        only what it reads of them."""
+        if not self.num_workers:
+            return [parse_pipeline(self.texts[0], f"{self.where} at {LOADER}")]
+        at = f"{LOADER}.{SNAPSHOT}.{WORKER_SNAPSHOTS}.{WORKER_PREFIX}"
+        return [parse_pipeline(text, f"{self.where} worker {w} at {at}{w}") for w, text in enumerate(self.texts)]
 
 
 def upgraded(state: Any) -> Any:
@@ -128,10 +140,22 @@ def upgraded(state: Any) -> Any:
     return copied
 
 
-def parse_loader_state(state: Any, where: str = "Loader") -> LoaderState:
+def parse_loader_state(state: Any, where: str = "Loader", lazy: bool = False) -> LoaderState:
     """Validate a whole Loader state (StateError naming rank, worker and field) and read it;
-    a state in an earlier format is read as ``upgraded`` gives it."""
+    a state in an earlier format is read as ``upgraded`` gives it. With ``lazy``, the workers'
+    pipeline states are left as JSON text until ``pipelines`` is read, and the state is not
+    walked whole to check its types (an elastic resume reads thousands of them, only the fields
+    checked here and the pipeline states, which it parses itself); ``check_json(state.state)``
+    checks the rest before the state is handed to torchdata."""
+    if lazy:  # only the fields read below are used, each checked as it is read
+        return _parsed_loader_state(state, where)
     check_json(state, where)
+    parsed = _parsed_loader_state(state, where)
+    parsed.pipelines  # noqa: B018  # parsed and checked now
+    return parsed
+
+
+def _parsed_loader_state(state: Any, where: str) -> LoaderState:
     state = upgraded(state)
     if not isinstance(state, dict) or state.get(FORMAT) != FORMAT_NAME:
         saved = state.get(FORMAT) if isinstance(state, dict) else type(state).__name__
@@ -155,10 +179,11 @@ def parse_loader_state(state: Any, where: str = "Loader") -> LoaderState:
             num_workers=num_workers,
             snapshot_every=snapshot_every,
             finished=finished,
-            pipelines=[_pipeline(loader, at_loader, epoch)],
+            texts=[_pipeline(loader, at_loader, epoch)],
             snapshot_step=_count(loader, NUM_YIELDED, at_loader),
             steps_since_snapshot=0,
             last_yielded_worker=0,
+            where=where,
         )
     steps = _count(loader, STEPS_SINCE, at_loader, high=snapshot_every - 1)
     snapshot = require(loader, SNAPSHOT, dict, at_loader)
@@ -175,13 +200,13 @@ def parse_loader_state(state: Any, where: str = "Loader") -> LoaderState:
             f"{at_snapshot}: state entry {WORKER_SNAPSHOTS!r} holds {sorted(workers)}, expected "
             f"{WORKER_PREFIX}0 to {WORKER_PREFIX}{num_workers - 1} for num_workers={num_workers}"
         )
-    pipelines = []
+    texts = []
     for w in range(num_workers):
         key = f"{WORKER_PREFIX}{w}"
         at_worker = f"{where} worker {w} at {LOADER}.{SNAPSHOT}.{WORKER_SNAPSHOTS}.{key}"
         worker = require(workers, key, dict, at_snapshot)
         _count(worker, WORKER_ID, at_worker, low=w, high=w)
-        pipelines.append(_pipeline(worker, at_worker, epoch))
+        texts.append(_pipeline(worker, at_worker, epoch))
     # Batches handed out when the state was taken: the snapshot's and the ones since.
     snapshot_step = _count(snapshot, SNAPSHOT_STEP, at_snapshot, high=MAX_COUNT - steps)
     return LoaderState(
@@ -192,10 +217,11 @@ def parse_loader_state(state: Any, where: str = "Loader") -> LoaderState:
         num_workers=num_workers,
         snapshot_every=snapshot_every,
         finished=finished,
-        pipelines=pipelines,
+        texts=texts,
         snapshot_step=snapshot_step,
         steps_since_snapshot=steps,
         last_yielded_worker=_count(snapshot, LAST_YIELDED, at_snapshot, high=num_workers - 1),
+        where=where,
     )
 
 
@@ -216,9 +242,9 @@ def _main_counters(holder: dict[str, Any], where: str) -> None:
             _count(holder, key, where, high=INT64_MAX)
 
 
-def _pipeline(holder: dict[str, Any], where: str, epoch: int) -> dict[str, Any]:
-    """The pipeline state inside a worker's (or the single process's) fetcher state, which
-    must come from a pass of the Loader state's ``epoch`` (not grafted from another epoch)."""
+def _pipeline(holder: dict[str, Any], where: str, epoch: int) -> str:
+    """The pipeline state's JSON text inside a worker's (or the single process's) fetcher state,
+    which must come from a pass of the Loader state's ``epoch`` (not grafted from another epoch)."""
     if require(holder, DATASET_STATE, (dict, type(None)), where) is not None:
         raise StateError(f"{where}: state entry {DATASET_STATE!r} is not null: not saved by rs.torch.Loader")
     fetcher = require(holder, FETCHER_STATE, dict, where)
@@ -232,9 +258,15 @@ def _pipeline(holder: dict[str, Any], where: str, epoch: int) -> dict[str, Any]:
             f"{at_iterator}: state entry {PASS_EPOCH!r} is {pass_epoch}, expected {epoch}: this pipeline state "
             f"comes from a pass of epoch {pass_epoch}, the Loader state is at epoch {epoch}"
         )
-    encoded = require(iterator, PIPELINE, str, at_iterator)
+    text: str = require(iterator, PIPELINE, str, at_iterator)
+    return text
+
+
+def parse_pipeline(text: str, where: str) -> dict[str, Any]:
+    """A worker's pipeline state from its JSON text; StateError naming ``where`` if it is not a
+    JSON object of JSON types."""
     try:
-        pipeline = json.loads(encoded)
+        pipeline = json.loads(text)
     except (ValueError, RecursionError) as error:
         raise StateError(f"{where}: the pipeline state is not valid JSON ({error})") from error
     if not isinstance(pipeline, dict):

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 import resumable as rs
 from resumable.elastic import consumer_of, rescaled_state, restore
+from resumable.pack import expand_references
 from tests.sources import INDEXED_KINDS, indexed_source
 
 SEQ_LEN = 16
@@ -320,7 +321,9 @@ def test_a_remap_compacted_past_the_cursor_is_a_state_error() -> None:
 
 @pytest.mark.parametrize("inherited", [5, None, "x", [[1, 2]], [[0, 10**6, 0, 1]]])
 def test_malformed_inherited_pieces_are_state_errors(inherited: Any) -> None:
-    build, state = rescaled_pipeline_state()
+    """In the form of the previous version (one list per inherited piece), which still loads."""
+    build, rescaled = rescaled_pipeline_state()
+    state = expand_references(rescaled)
     state["inherited"] = inherited
     with pytest.raises(rs.StateError, match="Pack"):
         build().set_state(state)

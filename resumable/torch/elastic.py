@@ -17,15 +17,20 @@ import json
 from typing import Any, Callable, Sequence
 
 from resumable.core.node import Node
-from resumable.elastic import as_consumer, rescaled_state
+from resumable.elastic import OldState, as_consumer, rescaled_states
 from resumable.errors import StateError
 from resumable.loader_state import LoaderState
 from resumable.order.topology import Topology
 
 
-def old_consumer_states(build: Callable[[], Node[Any]], olds: Sequence[LoaderState]) -> list[dict[str, Any]]:
-    """Every old consumer's exact pipeline state, in consumer order (rank-major)."""
-    return [state for old in olds for state in handed_out_states(build, old)]
+def old_consumer_states(build: Callable[[], Node[Any]], olds: Sequence[LoaderState]) -> list[OldState]:
+    """Every old consumer's exact pipeline state, in consumer order (rank-major): the JSON text
+    the Loader state holds, parsed by the rescale, or (states of earlier versions that count
+    batches after their workers' snapshots) the state of the old worker advanced by them."""
+    consumers: list[OldState] = []
+    for old in olds:
+        consumers.extend(old.texts if not old.steps_since_snapshot else handed_out_states(build, old))
+    return consumers
 
 
 def handed_out_states(build: Callable[[], Node[Any]], old: LoaderState) -> list[dict[str, Any]]:
@@ -78,11 +83,12 @@ def rescale_for_rank(
     """The JSON pipeline state each of this rank's workers (0 without workers) continues from."""
     consumers = old_consumer_states(build, olds)
     workers = max(num_workers, 1)
-    rescaled = {}
-    for worker in range(workers):
-        pipeline = as_consumer(build(), Topology(rank, world_size, worker if num_workers else 0, workers))
-        rescaled[worker] = json.dumps(rescaled_state(pipeline, consumers), separators=(",", ":"))
-    return rescaled
+    pipelines = [
+        as_consumer(build(), Topology(rank, world_size, worker if num_workers else 0, workers))
+        for worker in range(workers)
+    ]
+    states = rescaled_states(pipelines, consumers)  # the old states read once for every worker
+    return {worker: json.dumps(state, separators=(",", ":")) for worker, state in enumerate(states)}
 
 
 def factory_of(pipeline: Node[Any] | None, factory: Callable[[], Node[Any]] | None) -> Callable[[], Node[Any]]:

@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence, cast
 
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from resumable.core.state import check_json
 from resumable.errors import ConfigError, StateError
 from resumable.loader_state import (
     EPOCH,
@@ -240,7 +241,10 @@ class Loader(StatefulDataLoader):  # type: ignore[misc]  # torchdata is untyped 
     def _load_all_ranks(self, states: Sequence[Any]) -> None:
         if not states:
             raise StateError("Loader: no rank states to resume from")
-        olds = [parse_loader_state(state, f"Loader (old rank {index})") for index, state in enumerate(states)]
+        # The workers' pipeline states stay JSON text: a rescale parses them once, keeping little.
+        olds = [
+            parse_loader_state(state, f"Loader (old rank {index})", lazy=True) for index, state in enumerate(states)
+        ]
         for index, old in enumerate(olds):
             if (old.rank, old.world_size) != (index, len(olds)):
                 raise StateError(
@@ -252,6 +256,8 @@ class Loader(StatefulDataLoader):  # type: ignore[misc]  # torchdata is untyped 
             raise StateError(f"Loader: old ranks were in different epochs {epochs}")
         rank, world_size = distributed_rank()
         if len(olds) == world_size and all(old.num_workers == self.num_workers for old in olds):
+            check_json(olds[rank].state, f"Loader (old rank {rank})")  # checked whole, as a single state is
+            olds[rank].pipelines  # noqa: B018
             self._resume(olds[rank])
             return
         finished = all(old.finished for old in olds)  # then the next iter() starts the next epoch afresh

@@ -8,27 +8,40 @@ Two parts, printed side by side:
    a rescale, the remap a new worker saves (its share of the level) and a whole level's size
    beside it, and one new rank's remap restore (plan + six shares) with its time and peak
    Python memory (tracemalloc).
-2. *A real pipeline with a packer, scaled down*: ``from_list(range(10^10)) -> shuffle -> shard
-   -> map(tokens) -> pack(best_fit, buffer_size=1000)`` on ``--old`` consumers, each a few rows
-   into the epoch, rescaled to ``--new`` consumers (the same ratio as 32,768 -> 18,000, so a new
-   consumer inherits as many pieces). Per-worker state before and after, the time and peak
-   memory of one new rank's restore per old consumer, and both extrapolated linearly to
-   32,768 old consumers (a new rank reads every old consumer's state).
+2. *A real pipeline with a packer, at full scale*: ``from_list(range(10^10)) -> shuffle ->
+   shard -> map(tokens) -> pack(best_fit, buffer_size=1000)`` in ``rs.torch.Loader`` states of
+   4096 ranks x 8 workers, each worker a few rows into the epoch. The old workers that the
+   measured new rank (``--rank``) inherits from, and ``--sample`` others spread over the old
+   ranks, are run for real (in ``--processes`` processes); every other old worker's state is the
+   real state of one of those, its shard relabelled (same size, a real run's cursor and buffer).
+   Measured: an old rank's Loader state; one new rank's ``Loader.load_state_dict`` of all 4096
+   old rank states as ``rs.load_state`` gives them (dicts, each worker's pipeline state JSON
+   text inside), its time and peak Python memory (tracemalloc, second call, untimed); its six
+   workers' ``set_state`` and first row; the new rank's Loader state then and after that row.
+
+    python bench/bench_elastic.py [--rank 1500] [--sample 256] [--processes 2] [--drift 64]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import os
 import time
 import tracemalloc
 from typing import Any, Callable
 
 import numpy as np
+import orjson
 
 import resumable as rs
-from resumable.elastic import rescaled_state
+import resumable.loader_state as ls
+import resumable.torch as rst
+from resumable.elastic import as_consumer
 from resumable.order.elastic import Level, Remap, rescale, shard_sizes
+from resumable.order.topology import Topology
+from resumable.pack._rescale import inherited_from
 
 DOCUMENTS = 10**10
 OLD_RANKS, OLD_WORKERS = 4096, 8
@@ -66,7 +79,7 @@ def arithmetic(drift: int) -> dict[str, float]:
     topologies = [(OLD_RANKS, OLD_WORKERS), (NEW_RANKS, NEW_WORKERS), (1000, 4)]
     remap: Remap | None = None
     space = DOCUMENTS
-    figures: dict[str, float] = {}
+    figures: dict[str, float] = {}  # of the first rescale
     for (ranks, workers), (new_ranks, new_workers) in zip(topologies, topologies[1:]):
         consumers, new = ranks * workers, new_ranks * new_workers
         sizes = shard_sizes(space, consumers)
@@ -109,71 +122,157 @@ def tokens(index: int) -> dict[str, Any]:
     return {"input_ids": list(range(1, length + 1))}
 
 
-def packed(consumer: int, consumers: int) -> rs.Node:
-    source = rs.from_list(range(DOCUMENTS)).shuffle(0).shard(consumer, consumers).map(tokens)
+def build() -> rs.Node:
+    """The pipeline of every rank and worker (the Loader resolves the shard's rank and worker)."""
+    source = rs.from_list(range(DOCUMENTS)).shuffle(0).shard().map(tokens)
     return source.pack(SEQ_LEN, strategy="best_fit", buffer_size=BUFFER)
 
 
-def pack_part(state: dict[str, Any]) -> int:
-    """Bytes of the packer's own entries (everything but its upstream)."""
-    return json_bytes({key: value for key, value in state.items() if key != "upstream"})
+def consumer_pipeline(consumer: int, workers: int, ranks: int) -> rs.Node:
+    return as_consumer(build(), Topology(consumer // workers, ranks, consumer % workers, workers))
 
 
-def with_packer(old: int, new: int, workers: int, remap_share: float, remap: dict[str, float]) -> None:
-    """Part 2: a real packed pipeline, scaled down, extrapolated to 32,768 old consumers."""
-    rng = np.random.default_rng(1)
-    olds = []
-    for consumer in range(old):
-        pipe = packed(consumer, old)
-        for _ in range(int(rng.integers(3, 12))):
+def old_worker_state(consumer: int) -> str:
+    """A real old worker's pipeline state after 3-11 rows, as JSON text (as its Loader holds it)."""
+    pipe = consumer_pipeline(consumer, OLD_WORKERS, OLD_RANKS)
+    for _ in range(3 + consumer * 7919 % 9):
+        next(pipe)
+    return orjson.dumps(pipe.get_state()).decode()
+
+
+def relabelled(text: str, consumer: int) -> str:
+    """Another consumer's real state standing for ``consumer``: its shard relabelled, its cursor,
+    buffer and counters those of a real run."""
+    state = json.loads(text)
+    node = state
+    while node["kind"] != "Shard":
+        node = node["upstream"]
+    node.update(rank=consumer // OLD_WORKERS, worker=consumer % OLD_WORKERS)
+    return orjson.dumps(state).decode()
+
+
+def old_texts(real: list[int], processes: int) -> list[str]:
+    """Every old consumer's pipeline state: real runs for ``real`` (those the measured rank
+    inherits from among them), the others real runs of a consumer of ``real`` relabelled."""
+    with multiprocessing.get_context("fork").Pool(processes) as pool:
+        runs = dict(zip(real, pool.map(old_worker_state, real, chunksize=4)))
+    donors = sorted(runs)
+    return [
+        runs[c] if c in runs else relabelled(runs[donors[c % len(donors)]], c) for c in range(OLD_RANKS * OLD_WORKERS)
+    ]
+
+
+def loader_state(rank: int, world_size: int, texts: list[str]) -> dict[str, Any]:
+    """A Loader state of ``rank`` holding ``texts``, one worker's pipeline state each, as
+    ``rs.torch.Loader.state_dict()`` writes it (format 3, a state with every batch)."""
+    workers = {
+        f"{ls.WORKER_PREFIX}{w}": {
+            ls.WORKER_ID: w,
+            ls.DATASET_STATE: None,
+            ls.FETCHER_STATE: {ls.FETCHER_ENDED: False, ls.ITER_STATE: {ls.PIPELINE: text, ls.PASS_EPOCH: 0}},
+        }
+        for w, text in enumerate(texts)
+    }
+    main = {
+        ls.MAIN_NUM_WORKERS: len(texts),
+        "_sampler_iter_state": None,
+        "_index_sampler_state": None,
+        ls.SAMPLER_ITER_YIELDED: 8 * len(texts),
+        ls.LEN_CALLED: None,
+        ls.SHARED_SEED: None,
+        ls.BASE_SEED: 1234,
+    }
+    snapshot = {ls.SNAPSHOT_STEP: 8 * len(texts), ls.LAST_YIELDED: len(texts) - 1, ls.MAIN_SNAPSHOT: main}
+    snapshot[ls.WORKER_SNAPSHOTS] = workers
+    loader = {ls.SNAPSHOT: snapshot, ls.STEPS_SINCE: 0, ls.ITERATOR_FINISHED: False}
+    return {
+        ls.FORMAT: ls.FORMAT_NAME,
+        ls.EPOCH: 0,
+        ls.RANK: rank,
+        ls.WORLD_SIZE: world_size,
+        ls.NUM_WORKERS: len(texts),
+        ls.SNAPSHOT_EVERY: 1,
+        ls.LOADER: loader,
+    }
+
+
+def with_packer(rank: int, sample: int, processes: int) -> None:
+    """Part 2: a real packed pipeline at full scale, one new rank's Loader restore."""
+    new_consumers = NEW_RANKS * NEW_WORKERS
+    mine = [rank * NEW_WORKERS + w for w in range(NEW_WORKERS)]
+    inherited = sorted({i for j in mine for i in inherited_from(j, new_consumers, OLD_RANKS * OLD_WORKERS)})
+    spread = {i * OLD_RANKS * OLD_WORKERS // sample for i in range(sample)}
+    real = sorted(spread | set(inherited))
+    start = time.perf_counter()
+    texts = old_texts(real, processes)
+    made = time.perf_counter() - start
+    olds = [loader_state(r, OLD_RANKS, texts[r * OLD_WORKERS : (r + 1) * OLD_WORKERS]) for r in range(OLD_RANKS)]
+    del texts
+    before = [json_bytes(state) for state in olds]
+    print(
+        f"\nreal pipeline at full scale: {OLD_RANKS} x {OLD_WORKERS} -> {NEW_RANKS} x {NEW_WORKERS}, "
+        f"best_fit({BUFFER}), seq_len {SEQ_LEN}, N = 10^10; {len(real)} old workers run for real "
+        f"(the {len(inherited)} that new rank {rank} inherits from among them), the others real runs "
+        f"of those relabelled; made in {made:.0f} s"
+    )
+    print(
+        f"  before: an old rank's Loader state {np.median(before) / KIB:.1f} kB median, {max(before) / KIB:.1f} kB max "
+        f"({OLD_WORKERS} workers; all {OLD_RANKS:,} ranks {sum(before) / 2**20:.0f} MiB)"
+    )
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(NEW_RANKS))
+
+    def restore_rank() -> dict[int, str]:
+        loader = rst.Loader(build, num_workers=NEW_WORKERS)
+        loader.load_state_dict(olds)  # the old ranks' states as rs.load_state gives them
+        rescaled: dict[int, str] = loader.dataset.rescaled
+        return rescaled
+
+    rescaled, restore_s, restore_peak = measured(restore_rank)
+    cpu = time.process_time()
+    restore_rank()
+    restore_cpu = time.process_time() - cpu
+    after = json_bytes(loader_state(rank, NEW_RANKS, [rescaled[w] for w in range(NEW_WORKERS)]))
+    pieces = [json.loads(rescaled[w])["sections"][3] for w in range(NEW_WORKERS)]
+
+    def workers() -> list[str]:
+        """What each new worker does with its state: set_state, then its first row."""
+        saved = []
+        for worker in range(NEW_WORKERS):
+            pipe = as_consumer(build(), Topology(rank, NEW_RANKS, worker, NEW_WORKERS))
+            pipe.set_state(json.loads(rescaled[worker]))
             next(pipe)
-        olds.append(pipe.get_state())
-    before = [in_loader_bytes(state) for state in olds]
-    before_pack = [pack_part(state) for state in olds]
-    text = [json.dumps(state) for state in olds]
-    _, parse_s, parse_peak = measured(lambda: [json.loads(t) for t in text])
+            saved.append(orjson.dumps(pipe.get_state()).decode())
+        return saved
 
-    def one_rank() -> list[dict[str, Any]]:
-        return [rescaled_state(packed(worker, new), olds) for worker in range(workers)]
-
-    states, restore_s, restore_peak = measured(one_rank)
-    after = [in_loader_bytes(state) for state in states]
-    after_pack = [pack_part(state) for state in states]
-    inherited = [len(state["inherited"]) for state in states]
-    scale = OLD_RANKS * OLD_WORKERS / old
+    stepped, workers_s, workers_peak = measured(workers)
+    after_row = json_bytes(loader_state(rank, NEW_RANKS, stepped))
     print(
-        f"\nreal pipeline, {old} -> {new} consumers (x {scale:.0f} to reach {OLD_RANKS * OLD_WORKERS:,}): "
-        f"best_fit({BUFFER}), seq_len {SEQ_LEN}, N = 10^10"
+        f"  one new rank's restore (Loader.load_state_dict of the {OLD_RANKS:,} old rank states, as parsed "
+        f"JSON with each worker's pipeline state as JSON text): {restore_s * 1e3:.0f} ms "
+        f"(CPU {restore_cpu * 1e3:.0f} ms in a third call), peak {restore_peak / 2**20:.1f} MiB; "
+        f"load {os.getloadavg()[0]:.1f}"
     )
     print(
-        f"  before: a worker's state {np.median(before) / KIB:.1f} kB in a Loader state (packer "
-        f"{np.median(before_pack) / KIB:.1f} kB); a rank of {OLD_WORKERS} workers "
-        f"{np.median(before) * OLD_WORKERS / KIB:.0f} kB"
+        f"  then its {NEW_WORKERS} workers' set_state + first row, one after the other: {workers_s * 1e3:.0f} ms, "
+        f"peak {workers_peak / 2**20:.1f} MiB"
     )
     print(
-        f"  after: a new worker's state {np.median(after) / KIB:.1f} kB (packer {np.median(after_pack) / KIB:.1f} kB, "
-        f"{int(np.median(inherited))} inherited pieces; remap at full scale {remap_share / KIB:.1f} kB); "
-        f"a rank of {workers} workers {np.median(after) * workers / KIB:.0f} kB"
-    )
-    print(
-        f"  one new rank's restore ({workers} workers): {restore_s * 1e3:.0f} ms, peak {restore_peak / 2**20:.1f} MiB "
-        f"for {old} old states; parsing them {parse_s * 1e3:.1f} ms, {parse_peak / 2**20:.1f} MiB"
-    )
-    print(
-        f"  extrapolated to {OLD_RANKS * OLD_WORKERS:,} old states: restore {restore_s * scale:.0f} s "
-        f"+ parse {parse_s * scale:.1f} s + remaps {remap['remap_s']:.2f} s; "
-        f"memory {(restore_peak + parse_peak) * scale / 2**30:.1f} GiB (old states held whole)"
+        f"  after: the new rank's Loader state {after / KIB:.1f} kB ({NEW_WORKERS} workers inheriting "
+        f"{min(pieces)}-{max(pieces)} pieces, {sum(pieces)} in all), {after_row / KIB:.1f} kB after each "
+        "worker's first row"
     )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--drift", type=int, default=64, help="how far workers' cursors drift apart")
-    parser.add_argument("--old", type=int, default=64, help="old consumers of the real pipeline")
-    parser.add_argument("--new", type=int, default=36, help="new consumers of the real pipeline")
+    parser.add_argument("--rank", type=int, default=NEW_RANKS // 2, help="the new rank whose restore is measured")
+    parser.add_argument("--sample", type=int, default=256, help="old workers run for real besides the inherited ones")
+    parser.add_argument("--processes", type=int, default=2, help="processes running the old workers")
     args = parser.parse_args()
-    figures = arithmetic(args.drift)
-    with_packer(args.old, args.new, NEW_WORKERS, figures["share"], figures)
+    arithmetic(args.drift)
+    with_packer(args.rank, args.sample, args.processes)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 with Hugging Face ``datasets`` under torchdata's ``StatefulDataLoader``, in one run.
 
     .venv/bin/python bench/bench_tokenize.py [--size-mb 50] [--files 8] [--workers 1 2] [--runs 3]
+        [--hf 1000/2/in 100/32/in ...]                  # the datasets variants to compare with
     .venv/bin/python bench/bench_tokenize.py --profile    # cProfile of our consumer process, k=1
 
 1. A JSONL corpus of ``--size-mb`` MB in ``--files`` files (``bench/corpus.py``: Zipf words,
@@ -15,6 +16,12 @@ with Hugging Face ``datasets`` under torchdata's ``StatefulDataLoader``, in one 
    packer written here, batches of 8 from ``StatefulDataLoader(num_workers=k)``. A streaming
    dataset splits its *files* over the DataLoader workers, so the corpus is written as several
    files: with one file, ``datasets`` would run one worker whatever ``k`` is.
+   Each ``--hf`` spec ``B/P/O`` is one variant of this job: ``B`` records per ``encode_batch``
+   call (``datasets``' default 1,000), the DataLoader's ``prefetch_factor`` ``P`` (its default
+   2) and ``in_order`` (``in``) or not (``out``). The first spec, ``1000/2/in``, is the job as
+   a user writes it; the others are tuned: with 1,000 records a call (seconds of tokenising)
+   each worker yields rows in bursts, and a DataLoader that takes batches from its workers in
+   turn, at most ``P`` ahead each, leaves one worker idle while the other tokenises.
 
 Both read the whole corpus; both tokenise with the same ``Tokenize`` object (``encode`` per
 record for ours, ``encode_batch`` per 1,000 records for ``datasets``), with the Rust
@@ -23,9 +30,13 @@ parallelism. Real tokens are the non-padding ``input_ids`` of the emitted batche
 seconds run from building the pipeline to its last batch, so they include starting the
 workers and, for ours, filling the packer's buffer. CPU seconds per million real tokens add up
 this process and every worker (``/proc`` and reaped children): on a shared machine they show the
-cost of each job more steadily than its speed. Each ``k`` runs ``--runs`` times, the two
-jobs alternating (and which goes first alternating too); the table gives medians, and the
-ratio is the median of the runs' ratios.
+cost of each job more steadily than its speed; CPU seconds over wall seconds are the cores the
+job kept busy. For ``datasets``, each worker clocks the time its packer spends suspended, waiting
+for the DataLoader to ask for the next row, against the time it spends producing rows: a worker
+that waits while cores are free shows a loader that serialises, whatever else the machine runs.
+Each ``k`` runs ``--runs`` times, the jobs alternating (the order reversed every other run); the
+table gives medians, and each ratio (ours / that job's throughput) is the median of the runs'
+ratios.
 
 Before the table the script checks that a process-mode map works with the tokenizer: a
 ``Tokenize`` pickles by its file path (each worker loads the tokenizer once), while a callable
@@ -43,7 +54,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import argparse  # noqa: E402
 import cProfile  # noqa: E402
+import dataclasses  # noqa: E402
 import functools  # noqa: E402
+import multiprocessing  # noqa: E402
 import pickle  # noqa: E402
 import pstats  # noqa: E402
 import resource  # noqa: E402
@@ -75,6 +88,10 @@ IGNORE = -100
 """Label at padding, as our packer writes it."""
 HF_MAP_BATCH = 1000
 """Records per ``encode_batch`` call in the ``datasets`` job (``datasets``' own default)."""
+HF_PREFETCH = 2
+"""Batches each DataLoader worker may have ready ahead (``prefetch_factor``'s default)."""
+HF_VARIANTS = ["1000/2/in", "1000/128/in"]
+"""``datasets`` variants compared by default (``--hf``): the job as written, and the tuned one."""
 PICKLE_CHECK_RECORDS = 40
 """Records mapped in each process-mode pickling check."""
 
@@ -238,16 +255,47 @@ class CpuClock:
 class Run:
     """What one run of a job measured."""
 
-    def __init__(self, seconds: float, first_batch: float, tokens: int, rows: int, cpu: float) -> None:
+    def __init__(
+        self, seconds: float, first_batch: float, tokens: int, rows: int, cpu: float, idle: float | None = None
+    ) -> None:
         self.seconds = seconds
         self.first_batch = first_batch
         self.tokens = tokens
         self.rows = rows
         self.cpu = cpu
+        self.idle = idle
+        """The workers' mean share of their time waiting to be asked for a row (``datasets`` only)."""
 
     @property
     def efficiency(self) -> float:
         return self.tokens / (self.rows * SEQ_LEN)
+
+    @property
+    def cores(self) -> float:
+        """Cores kept busy on average: CPU seconds over wall seconds."""
+        return self.cpu / self.seconds
+
+
+@dataclasses.dataclass(frozen=True)
+class HfConfig:
+    """One variant of the ``datasets`` job: records per ``encode_batch`` call, the DataLoader's
+    ``prefetch_factor``, and whether it hands batches out in worker order."""
+
+    map_batch: int = HF_MAP_BATCH
+    prefetch: int = HF_PREFETCH
+    in_order: bool = True
+
+    @classmethod
+    def parse(cls, spec: str) -> HfConfig:
+        """``B/P/O``, e.g. ``1000/2/in`` or ``100/32/out``."""
+        parts = spec.split("/")
+        if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit() or parts[2] not in ("in", "out"):
+            raise argparse.ArgumentTypeError(f"--hf {spec!r}: expected BATCH/PREFETCH/in|out, e.g. 1000/2/in")
+        return cls(int(parts[0]), int(parts[1]), parts[2] == "in")
+
+    @property
+    def label(self) -> str:
+        return f"datasets {self.map_batch}/{self.prefetch}/{'in' if self.in_order else 'out'}"
 
 
 def ours(paths: list[str], tokenize: Tokenize, workers: int) -> Run:
@@ -315,29 +363,59 @@ def _row(ids: np.ndarray, positions: np.ndarray, fill: int) -> dict[str, np.ndar
     return {"input_ids": row_ids, "labels": labels, "position_ids": row_positions}
 
 
-def datasets_job(paths: list[str], tokenize: Tokenize, workers: int) -> Run:
-    """The same job with ``datasets`` streaming, a greedy packer and a StatefulDataLoader."""
+def timed(rows: Iterator[dict[str, np.ndarray]], clocks: Any, slot: int) -> Iterator[dict[str, np.ndarray]]:
+    """Yield ``rows``, adding to ``clocks[slot]`` the seconds spent producing them and to
+    ``clocks[slot + 1]`` the seconds waiting, suspended, for the DataLoader to ask for the next:
+    a worker waits when the loader takes batches from another worker first."""
+    mark = time.perf_counter()
+    for row in rows:
+        now = time.perf_counter()
+        clocks[slot] += now - mark
+        yield row
+        mark = time.perf_counter()
+        clocks[slot + 1] += mark - now
+    clocks[slot] += time.perf_counter() - mark
+
+
+def idle_share(clocks: Any, workers: int) -> float:
+    """The workers' mean share of their time spent waiting, from ``timed``'s clocks."""
+    return statistics.mean(float(clocks[2 * w + 1] / (clocks[2 * w] + clocks[2 * w + 1])) for w in range(workers))
+
+
+def datasets_job(paths: list[str], tokenize: Tokenize, workers: int, config: HfConfig) -> Run:
+    """The same job with ``datasets`` streaming, a greedy packer and a StatefulDataLoader,
+    configured by ``config``."""
     from datasets import load_dataset
-    from torch.utils.data import IterableDataset
+    from torch.utils.data import IterableDataset, get_worker_info
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     class Packed(IterableDataset):  # type: ignore[type-arg]  # torch's generic dataset, over plain dicts
-        """The tokenised stream, packed greedily in each DataLoader worker."""
+        """The tokenised stream, packed greedily in each DataLoader worker, its time clocked."""
 
-        def __init__(self, dataset: Any) -> None:
+        def __init__(self, dataset: Any, clocks: Any) -> None:
             self.dataset = dataset
+            self.clocks = clocks
 
         def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
-            return greedy_pack(self.dataset, SEQ_LEN)
+            info = get_worker_info()  # every run has DataLoader workers (k >= 1)
+            slot = 2 * (info.id if info is not None else 0)
+            return timed(greedy_pack(self.dataset, SEQ_LEN), self.clocks, slot)
 
     clock = CpuClock()
     start = time.perf_counter()
     dataset = (
         load_dataset("json", data_files=paths, streaming=True, split="train")
         .shuffle(seed=0, buffer_size=BUFFER)
-        .map(tokenize.batch, batched=True, batch_size=HF_MAP_BATCH, remove_columns=["id", "text"])
+        .map(tokenize.batch, batched=True, batch_size=config.map_batch, remove_columns=["id", "text"])
     )
-    loader = StatefulDataLoader(Packed(dataset), batch_size=BATCH, num_workers=workers)
+    clocks = multiprocessing.Array("d", 2 * workers, lock=False)  # per worker: producing, waiting
+    loader = StatefulDataLoader(
+        Packed(dataset, clocks),
+        batch_size=BATCH,
+        num_workers=workers,
+        prefetch_factor=config.prefetch,
+        in_order=config.in_order,
+    )
     tokens = rows = 0
     first_batch = 0.0
     for batch in loader:
@@ -347,43 +425,49 @@ def datasets_job(paths: list[str], tokenize: Tokenize, workers: int) -> Run:
         tokens += int((ids != PAD_ID).sum())
         rows += len(ids)
     seconds = time.perf_counter() - start
-    return Run(seconds, first_batch, tokens, rows, clock.read())  # the workers are reaped by now
+    cpu = clock.read()  # the workers are reaped by now
+    return Run(seconds, first_batch, tokens, rows, cpu, idle_share(clocks, workers))
 
 
-JOBS: dict[str, Callable[[list[str], Tokenize, int], Run]] = {"ours": ours, "datasets": datasets_job}
+Job = Callable[[list[str], Tokenize, int], Run]
 
 
-def compare(paths: list[str], tokenize: Tokenize, workers: int, runs: int, documents: int) -> None:
-    """Alternate the two jobs ``runs`` times at ``workers`` and print one line of medians."""
-    measured: dict[str, list[Run]] = {name: [] for name in JOBS}
+def jobs(variants: list[HfConfig]) -> dict[str, Job]:
+    """Ours and each ``datasets`` variant, by label."""
+    todo: dict[str, Job] = {"ours": ours}
+    todo.update((config.label, functools.partial(datasets_job, config=config)) for config in variants)
+    return todo
+
+
+def compare(
+    paths: list[str], tokenize: Tokenize, workers: int, runs: int, documents: int, todo: dict[str, Job]
+) -> None:
+    """Alternate the jobs ``runs`` times at ``workers`` and print one line of medians per job."""
+    measured: dict[str, list[Run]] = {name: [] for name in todo}
     for run in range(runs):
-        order = list(JOBS) if run % 2 == 0 else list(reversed(JOBS))
+        order = list(todo) if run % 2 == 0 else list(reversed(todo))
         for name in order:
-            measured[name].append(JOBS[name](paths, tokenize, workers))
-    ours_runs, hf_runs = measured["ours"], measured["datasets"]
-    if {r.tokens for r in ours_runs} != {r.tokens for r in hf_runs} or len({r.tokens for r in ours_runs}) != 1:
-        raise RuntimeError(
-            f"real tokens differ: ours {[r.tokens for r in ours_runs]}, datasets {[r.tokens for r in hf_runs]}"
-        )
-
-    def rate(job_runs: list[Run]) -> float:
-        return statistics.median(r.tokens / r.seconds for r in job_runs)
-
-    ratios = [h.seconds / o.seconds for o, h in zip(ours_runs, hf_runs, strict=True)]
-    seconds = statistics.median(r.seconds for r in ours_runs), statistics.median(r.seconds for r in hf_runs)
-    first = statistics.median(r.first_batch for r in ours_runs), statistics.median(r.first_batch for r in hf_runs)
-    cpu = [statistics.median(1e6 * r.cpu / r.tokens for r in job_runs) for job_runs in (ours_runs, hf_runs)]
-    cells = [
-        f"{workers}",
-        f"{rate(ours_runs) / 1e3:,.0f}",
-        f"{rate(hf_runs) / 1e3:,.0f}",
-        f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})",
-        f"{documents / seconds[0]:,.0f} / {documents / seconds[1]:,.0f}",
-        f"{cpu[0]:.2f} / {cpu[1]:.2f}",
-        f"{100 * ours_runs[0].efficiency:.2f}% / {100 * hf_runs[0].efficiency:.2f}%",
-        f"{first[0]:.1f} / {first[1]:.1f}",
-    ]
-    print(f"| {' | '.join(cells)} |", flush=True)
+            measured[name].append(todo[name](paths, tokenize, workers))
+    counts = {name: [r.tokens for r in job_runs] for name, job_runs in measured.items()}
+    if len({tokens for job_counts in counts.values() for tokens in job_counts}) != 1:
+        raise RuntimeError(f"real tokens differ between runs or jobs: {counts}")
+    ours_runs = measured["ours"]
+    for name, job_runs in measured.items():
+        ratios = [o.tokens / o.seconds / (r.tokens / r.seconds) for o, r in zip(ours_runs, job_runs, strict=True)]
+        seconds = statistics.median(r.seconds for r in job_runs)
+        cells = [
+            f"{workers}",
+            name,
+            f"{statistics.median(r.tokens / r.seconds for r in job_runs) / 1e3:,.0f}",
+            "" if name == "ours" else f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})",
+            f"{documents / seconds:,.0f}",
+            f"{statistics.median(1e6 * r.cpu / r.tokens for r in job_runs):.2f}",
+            f"{statistics.median(r.cores for r in job_runs):.2f}",
+            "" if name == "ours" else f"{100 * statistics.median(r.idle or 0.0 for r in job_runs):.0f}%",
+            f"{100 * job_runs[0].efficiency:.2f}%",
+            f"{statistics.median(r.first_batch for r in job_runs):.1f}",
+        ]
+        print(f"| {' | '.join(cells)} |", flush=True)
 
 
 def profile(paths: list[str], tokenize: Tokenize, workers: int) -> None:
@@ -403,6 +487,13 @@ def main() -> None:
     parser.add_argument("--files", type=int, default=8)
     parser.add_argument("--workers", type=int, nargs="+", default=[k for k in (1, 2, 4) if k <= cores])
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument(
+        "--hf",
+        type=HfConfig.parse,
+        nargs="+",
+        default=[HfConfig.parse(spec) for spec in HF_VARIANTS],
+        help="datasets variants, each BATCH/PREFETCH/in|out (map batch, prefetch_factor, in_order)",
+    )
     parser.add_argument("--profile", action="store_true", help="profile our job at the first --workers instead")
     args = parser.parse_args()
 
@@ -421,12 +512,13 @@ def main() -> None:
     check_process_map(tokenize.path, paths)
     print(
         f"whole corpus per run, {args.runs} alternating runs, medians; seq_len {SEQ_LEN}, batches of {BATCH}; "
-        "each cell with a slash is ours / datasets\n"
-        "| k | ours k tokens/s | datasets k tokens/s | ratio (min-max) | docs/s | CPU s per M tokens "
-        "| packing efficiency | first batch (s) |\n|---|---:|---:|---:|---:|---:|---:|---:|"
+        "datasets B/P/O: records per encode_batch / prefetch_factor / in_order\n"
+        "| k | job | k tokens/s | ours / job (min-max) | docs/s | CPU s per M tokens | cores busy "
+        "| workers waiting | packing efficiency | first batch (s) |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"
     )
+    todo = jobs(args.hf)
     for workers in args.workers:
-        compare(paths, tokenize, workers, args.runs, documents)
+        compare(paths, tokenize, workers, args.runs, documents, todo)
     print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

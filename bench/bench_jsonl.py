@@ -2,6 +2,7 @@
 
     python bench/bench_jsonl.py [--size-mb 300] [--repeats 3]
     python bench/bench_jsonl.py --small [--records 1000000] [--repeats 5]
+    python bench/bench_jsonl.py [--small] --baseline DIR/resumable_old
 
 Prints docs/s of sequential and shuffled iteration against ``for line in f: orjson.loads(line)``,
 resume latency (``set_state`` + first record) at 1%, 50% and 99% of the file (with Hugging Face
@@ -10,11 +11,23 @@ resume latency (``set_state`` + first record) at 1%, 50% and 99% of the file (wi
 The default corpus holds 1-5 kB documents (``bench/corpus.py``). ``--small`` generates one file of
 ``--records`` records of about 100-130 bytes instead, where Python's per-record cost dominates, and
 reports medians over the interleaved rounds rather than the best, by wall clock and by CPU time.
+
+``--baseline`` compares with another version of the package in the same process: a copy of its
+``resumable`` directory renamed (with its imports) to the directory's name, e.g. for commit C::
+
+    mkdir -p /tmp/old && git archive C resumable | tar -x -C /tmp/old
+    mv /tmp/old/resumable /tmp/old/resumable_old
+    grep -rl resumable /tmp/old/resumable_old | xargs sed -i -E \
+        's/\bfrom resumable([. ])/from resumable_old\1/g; s/\bimport resumable\b/import resumable_old/g'
+
+Its runs join the interleaved rounds (medians by wall clock and CPU time, as with ``--small``),
+and each resume point is measured ``RESUME_PAIRS`` times per version, alternating, as medians.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import statistics
 import sys
@@ -38,6 +51,8 @@ SMALL_LINE_BYTES = (100, 130)
 """Range of a small record's line length in bytes, newline included (uniform)."""
 SMALL_WORD_LETTERS = (2, 9)
 """Range of a word's length in letters in the small corpus (uniform)."""
+RESUME_PAIRS = 30
+"""Resumes per point and version with ``--baseline`` (alternating), reported as medians."""
 
 
 def make_small_corpus(path: str, records: int, seed: int = 0) -> str:
@@ -83,7 +98,8 @@ def interleaved_rounds(repeats: int, runs: dict[str, Callable[[], int]]) -> dict
 def print_median_ratios(rounds: dict[str, list[tuple[float, float, int]]], base: str, size_mb: float) -> None:
     """Median docs/s of each run, and the medians over rounds of its speed relative to ``base``
     in the same round, by wall clock and by CPU time (CPU time is steadier on a shared machine)."""
-    print(f"\n{'iteration':<22}{'docs/s':>12}{'MB/s':>9}{'ratio':>8}{'CPU ratio':>11}")
+    width = max(22, *(len(name) + 2 for name in rounds))
+    print(f"\n{'iteration':<{width}}{'docs/s':>12}{'MB/s':>9}{'ratio':>8}{'CPU ratio':>11}")
     for name, times in rounds.items():
         if {count for _, _, count in times} != {times[0][2]} or times[0][2] != rounds[base][0][2]:
             raise SystemExit(f"{name} read another number of records than {base}")
@@ -91,7 +107,7 @@ def print_median_ratios(rounds: dict[str, list[tuple[float, float, int]]], base:
         wall_ratio = statistics.median(b[0] / t[0] for b, t in zip(rounds[base], times))
         cpu_ratio = statistics.median(b[1] / t[1] for b, t in zip(rounds[base], times))
         count = times[0][2]
-        print(f"{name:<22}{count / seconds:>12,.0f}{size_mb / seconds:>9.0f}{wall_ratio:>8.2f}{cpu_ratio:>11.2f}")
+        print(f"{name:<{width}}{count / seconds:>12,.0f}{size_mb / seconds:>9.0f}{wall_ratio:>8.2f}{cpu_ratio:>11.2f}")
 
 
 def bare_loop(path: str) -> int:
@@ -114,6 +130,29 @@ def resume_latency(build: Callable[[], rs.Node], position: int) -> tuple[float, 
     pipe.set_state(state)
     next(pipe)
     return built - start, time.perf_counter() - built
+
+
+def baseline_package(path: str) -> Any:
+    """The package copy at ``path`` (a directory named like the package it holds), imported."""
+    directory, name = os.path.split(os.path.abspath(path))
+    sys.path.insert(0, directory)
+    return importlib.import_module(name)
+
+
+def paired_resume_latency(packages: dict[str, Any], path: str, position: int, shuffled: bool) -> dict[str, float]:
+    """Median seconds of ``set_state`` at ``position`` plus the first record for each package,
+    ``RESUME_PAIRS`` resumes each, alternating between the packages."""
+    seconds: dict[str, list[float]] = {name: [] for name in packages}
+    for turn in range(RESUME_PAIRS):
+        for name in list(packages)[:: 1 if turn % 2 == 0 else -1]:
+            package = packages[name]
+
+            def build(package: Any = package) -> Any:
+                source = package.jsonl(path)
+                return source.shuffle(0) if shuffled else source
+
+            seconds[name].append(resume_latency(build, position)[1])
+    return {name: statistics.median(values) for name, values in seconds.items()}
 
 
 def hf_resume_latency(path: str, position: int) -> float | None:
@@ -156,6 +195,7 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="records of 100-130 bytes instead of 1-5 kB")
     parser.add_argument("--records", type=int, default=SMALL_RECORDS, help="records in the --small corpus")
     parser.add_argument("--no-hf", action="store_true", help="skip the Hugging Face datasets comparison")
+    parser.add_argument("--baseline", help="directory of another version of the package, compared side by side")
     args = parser.parse_args()
 
     if args.small:
@@ -170,14 +210,20 @@ def main() -> None:
             pass
     records = len(rs.jsonl(path))  # builds or loads the line index
     print(f"file: {path} ({size_mb:.0f} MB, {records:,} records, {size_mb * 1e6 / records:,.0f} B/record)")
-    print(f"{'median' if args.small else 'best'} of {repeats} interleaved rounds")
+    summary = "median" if args.small or args.baseline else "best"
+    print(f"{summary} of {repeats} interleaved rounds, load average {os.getloadavg()[0]:.1f}")
 
     runs: dict[str, Callable[[], int]] = {
         "bare orjson loop": lambda: bare_loop(path),
         "rs.jsonl": lambda: drain(rs.jsonl(path)),
         "rs.jsonl.shuffle(0)": lambda: drain(rs.jsonl(path).shuffle(0)),
     }
-    if args.small:
+    baseline = None if args.baseline is None else baseline_package(args.baseline)
+    if baseline is not None:
+        name = baseline.__name__
+        runs[f"{name}.jsonl"] = lambda: drain(baseline.jsonl(path))
+        runs[f"{name}.jsonl.shuffle(0)"] = lambda: drain(baseline.jsonl(path).shuffle(0))
+    if args.small or baseline is not None:
         print_median_ratios(interleaved_rounds(repeats, runs), "bare orjson loop", size_mb)
     else:
         best = best_of(repeats, runs)
@@ -187,6 +233,22 @@ def main() -> None:
             if count != base_count:
                 raise SystemExit(f"{name} read {count} records, the bare loop {base_count}")
             print(f"{name:<22}{count / seconds:>12,.0f}{size_mb / seconds:>9.0f}{base_seconds / seconds:>8.2f}")
+
+    if baseline is not None:
+        packages = {"rs": rs, baseline.__name__: baseline}
+        print(f"\nresume (set_state + first record), median of {RESUME_PAIRS} alternating, ms")
+        print(
+            f"{'resume at':<12}"
+            + "".join(f"{name + (' shuffled' if s else ''):>26}" for s in (0, 1) for name in packages)
+        )
+        for fraction in RESUME_POINTS:
+            position = int(records * fraction)
+            sequential = paired_resume_latency(packages, path, position, shuffled=False)
+            shuffled = paired_resume_latency(packages, path, position, shuffled=True)
+            cells = [sequential[name] for name in packages] + [shuffled[name] for name in packages]
+            print(f"{fraction:<12.0%}" + "".join(f"{cell * 1e3:>26.3f}" for cell in cells))
+        print(f"load average {os.getloadavg()[0]:.1f}")
+        return
 
     print(f"\n{'resume at':<12}{'build ms':>10}{'set_state+next ms':>19}{'shuffled ms':>13}{'HF datasets ms':>16}")
     for fraction in RESUME_POINTS:

@@ -34,8 +34,8 @@ EPOCH = "epoch"
 POSITION = "position"
 LENGTH = "length"
 
-# The cursor reads records in chunks that start small (a fast first record after a resume)
-# and double up to a size that amortises per-chunk work.
+# The cursor reads one record first after a restore (a fast first record), then chunks that
+# start small and double up to a size that amortises per-chunk work.
 MIN_CHUNK = 16
 MAX_CHUNK = 4096
 DECODE_RUN = 128
@@ -45,6 +45,8 @@ DECODE_RUN_BYTES = 32 << 10
 the CPU cache when handed out and freed while their memory is (sequential reading of ~115-byte
 records took about 25% more CPU time when runs were 4096 records long than with 64-256)."""
 
+_NOTHING: Iterator[Any] = iter(())
+"""An empty run: a reset cursor's pending records (shared; it never yields)."""
 _END: Iterator[Any] = iter(())
 """What ``IndexedNode._next_run`` returns after the epoch (compared by identity): the flow ends."""
 _SKIPPED = object()
@@ -55,6 +57,11 @@ _KEPT = partial(operator.is_not, _SKIPPED)
 
 def _raise(error: BaseException) -> NoReturn:
     raise error
+
+
+def _decode_each(decode: Callable[[Any], Any], raws: Sequence[Any]) -> list[Any]:
+    """A run of raw records decoded one call per record (by one C-level ``map``)."""
+    return list(map(decode, raws))
 
 
 def _next_run_of(node: weakref.ref[IndexedNode[Any]]) -> Iterator[Any]:
@@ -92,6 +99,16 @@ class _Flow:
         return node._flow.next()
 
 
+class _FirstFlow:
+    """``IndexedNode._flow``: the node's flow, made on the first ``next`` after a reset and then
+    kept in the instance, which a reset drops it from (building or restoring a node makes none).
+    A plain non-data descriptor: ``functools.cached_property`` takes a lock on every miss."""
+
+    def __get__(self, node: IndexedNode[Any], owner: type | None = None) -> _Flow:
+        flow = node.__dict__["_flow"] = _Flow(node)
+        return flow
+
+
 class IndexedNode(Node[T]):
     """A node with stateless random access; iterating it runs a cursor ``(epoch, position)``."""
 
@@ -102,6 +119,9 @@ class IndexedNode(Node[T]):
     _chunk: Sequence[Any]
     _chunk_leaves: np.ndarray | None  # leaf indices of the chunk, for last_key()
     _chunk_start: int
+    _decode_run: Callable[[Sequence[Any]], list[Any]]
+    """How the cursor decodes a run ahead: the leaf's ``_decode_run(raws) -> records`` where it
+    has one (it raises the decoder's error on a malformed record), else one call per record."""
     _decodes_whole_chunks: ClassVar[bool] = False
     """Leaf flag: the decoder is cheap and its output no bigger than its input (JSON lines), so
     the cursor decodes ``DECODE_RUN`` records in one C-level call ahead of the consumer. Leaves
@@ -349,6 +369,8 @@ class IndexedNode(Node[T]):
     else:
         __next__ = property(operator.attrgetter("_flow.next"))
 
+    _flow = _FirstFlow()
+
     def _reset_cursor(self, position: int) -> None:
         self._raws: Sequence[Any] = ()
         self._raws_start = position
@@ -357,14 +379,21 @@ class IndexedNode(Node[T]):
         self._chunk_start = position
         self._chunk_size = MIN_CHUNK
         self._run_size = 1
-        self._pending: Iterator[Any] = iter(())
-        self._flow = _Flow(self)
+        self._pending: Iterator[Any] = _NOTHING
+        self.__dict__.pop("_flow", None)
 
     def _prepare_chain(self) -> None:
         if not self._chain_ready:
             leaf = self.leaf
-            self._decode = leaf._decoder()
+            decode = self._decode = leaf._decoder()
             self._decode_ahead = leaf._decodes_whole_chunks
+            # A leaf may decode a run in fewer calls than one per record (JSONL): an optional
+            # hook, looked up once per chain (a runtime protocol check costs ~20 us per pipeline).
+            decode_run = getattr(leaf, "_decode_run", None)
+            if decode_run is not None:
+                self._decode_run = decode_run
+            elif decode is not None:
+                self._decode_run = partial(_decode_each, decode)
             self._fns = self._record_fns()
             self._chain_ready = True
 
@@ -390,16 +419,18 @@ class IndexedNode(Node[T]):
             total = self._length(self._epoch)
             if start >= total:
                 self._chunk, self._chunk_start, self._chunk_leaves = (), total, None
-                self._pending = iter(())
+                self._pending = _NOTHING
                 self._ended = True
                 return _END
             self._prepare_chain()
             reads_ahead = self.leaf._reads_ahead()
-            # A remote leaf's first chunk after a restore is one record: the first record waits
-            # for the blocks holding it alone, the rest of the chunk is read ahead meanwhile.
-            count = 1 if reads_ahead and not self._raws else min(size, total - start)
-            raws, offset = self._raw_chunk(start, count, self._epoch), 0
-            size = min(size * 2, MAX_CHUNK)
+            # The first chunk after a restore (or at an epoch's start) is one record, ahead of
+            # the chunk sizes: the first record waits for no other (a remote leaf reads the
+            # next chunk ahead meanwhile).
+            first = not self._raws
+            raws, offset = self._raw_chunk(start, 1 if first else min(size, total - start), self._epoch), 0
+            if not first:
+                size = min(size * 2, MAX_CHUNK)
             following = start + len(raws)
             if following < total and reads_ahead:  # the next chunk is known: fetch it now
                 positions = np.arange(following, min(following + size, total), dtype=np.int64)
@@ -432,7 +463,7 @@ class IndexedNode(Node[T]):
         part = raws[offset : offset + max(1, min(self._run_size, fits))]
         self._run_size = min(self._run_size * 2, DECODE_RUN)
         try:
-            return list(map(decode, part)), False
+            return self._decode_run(part), False
         except Exception:  # noqa: BLE001 - a malformed record: sorted out as it is handed out
             return part, True
 

@@ -65,7 +65,7 @@ from resumable.order.partition import shard_size
 from resumable.order.shard import NEXT_REMAP, REMAP, Shard
 from resumable.order.shuffle import Shuffle
 from resumable.order.topology import NUM_WORKERS, RANK, WORKER, WORLD_SIZE, Topology
-from resumable.pack._rescale import drop_buffer, inherited_from
+from resumable.pack._rescale import buffer_free_text, drop_buffer, inherited_from
 from resumable.sources.stream import JsonlStream
 
 __all__ = ["OldState", "Rescalable", "as_consumer", "consumer_of", "rescaled_state", "rescaled_states", "restore"]
@@ -158,9 +158,10 @@ def rescaled_states(pipelines: Sequence[Node[Any]], old_states: Sequence[OldStat
     else:
         whole = {old for consumer in consumers for old in inherited_from(consumer, num_consumers, len(old_states))}
     packers = _paths(pipelines[0], _holds_buffer, stop=False)
+    depth = len(packers[0]) if len(packers) == 1 and set(packers[0]) <= {UPSTREAM} else None
     with _collector_paused():
         olds = [
-            _read_old(old, index in whole, packers, f"{kind} (old consumer {index})")
+            _read_old(old, index in whole, packers, depth, f"{kind} (old consumer {index})")
             for index, old in enumerate(old_states)
         ]
     partitioners = _paths(pipelines[0], lambda node: isinstance(node, (Shard, JsonlStream)), stop=True)
@@ -198,14 +199,18 @@ def _topology(pipeline: Node[Any]) -> Topology:
     return topologies.pop()
 
 
-def _read_old(old: OldState, whole: bool, packers: list[tuple[str, ...]], path: str) -> dict[str, Any]:
+def _read_old(
+    old: OldState, whole: bool, packers: list[tuple[str, ...]], depth: int | None, path: str
+) -> dict[str, Any]:
     """An old consumer's state as the rescale reads it: parsed if given as JSON text, checked
     to hold JSON types only, and, unless ``whole``, without the buffers of the streaming
     packers nested at ``packers`` (the others' states, copied on the way where ``old`` is the
-    caller's dict)."""
+    caller's dict). With one packer ``depth`` upstreams down, a text is cut before it is
+    parsed where it allows (``buffer_free_text``)."""
     if isinstance(old, str):
+        cut = None if whole or depth is None else buffer_free_text(old, depth)
         try:
-            parsed = orjson.loads(old)
+            parsed = orjson.loads(old if cut is None else cut)
         except orjson.JSONDecodeError as error:
             raise StateError(f"{path}: the state is not valid JSON ({error})") from error
         if not isinstance(parsed, dict):

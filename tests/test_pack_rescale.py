@@ -8,8 +8,9 @@ import copy
 import json
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+import orjson
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -18,7 +19,7 @@ import resumable as rs
 import resumable.pack._rescale as rescale_module
 from resumable.elastic import rescaled_state, rescaled_states, restore
 from resumable.pack import expand_references
-from resumable.pack._rescale import inherited_from
+from resumable.pack._rescale import buffer_free_text, inherited_from
 from tests.test_elastic import CHAINS, delivered, documents, expected, take_fraction
 
 CHAIN = "pack_best_fit"
@@ -106,17 +107,29 @@ def test_each_new_consumer_decodes_only_the_old_buffers_it_inherits(monkeypatch:
     assert decoded == [*inherited_from(2, 6, 7), *inherited_from(3, 6, 7)] == [3, 4]
 
 
-def test_states_given_as_json_text_rescale_the_same_and_their_other_buffers_are_dropped() -> None:
-    """The form a Loader state holds them in: each old worker's state as JSON text."""
+@pytest.mark.parametrize("batched", [False, True])
+@pytest.mark.parametrize("dumps", [json.dumps, lambda state: orjson.dumps(state).decode()])
+def test_states_given_as_json_text_rescale_the_same(batched: bool, dumps: Callable[[Any], str]) -> None:
+    """The form a Loader state holds them in: each old worker's state as JSON text (written by
+    orjson there, whose text is cut before it is parsed where no buffer of it is inherited)."""
     docs = documents(160)
-    states, _ = old_states(docs, 7)
-    texts = [json.dumps(state) for state in states]
-    texts[0] = texts[0].replace('"refs": {', '"refs": {"junk": 1, ', 1)  # not inherited by consumers 4 and 5
-    pipelines = [build(consumer, 6, docs) for consumer in (4, 5)]
-    expected_states = [rescaled_state(build(consumer, 6, docs), states) for consumer in (4, 5)]
-    assert rescaled_states(pipelines, texts) == expected_states
+
+    def built(consumer: int, consumers: int) -> rs.Node:
+        pipe = build(consumer, consumers, docs)
+        return pipe.batch(2) if batched else pipe
+
+    states = []
+    for consumer in range(7):
+        pipe = built(consumer, 7)
+        take_fraction(pipe, 0.1 + 0.1 * consumer)
+        states.append(json.loads(json.dumps(pipe.get_state())))
+    texts = [dumps(state) for state in states]
+    assert (buffer_free_text(texts[0], int(batched)) is None) == (dumps is json.dumps)
+    consumers = (4, 5)  # inheriting from old consumers 5 and 6 only
+    expected_states = [rescaled_state(built(consumer, 6), states) for consumer in consumers]
+    assert rescaled_states([built(consumer, 6) for consumer in consumers], texts) == expected_states
     with pytest.raises(rs.StateError, match="old consumer 3"):
-        rescaled_states([build(0, 6, docs)], [*texts[:3], "{not json", *texts[4:]])
+        rescaled_states([built(0, 6)], [*texts[:3], "{not json", *texts[4:]])
 
 
 def test_rescaled_states_of_the_previous_version_still_load_and_rescale_again() -> None:

@@ -13,7 +13,16 @@ the loop calls ``state_dict()`` after every step. For each worker count the two 
 alternate (which one goes first alternates too), ``--runs`` times; the ratio of each run is
 plain seconds / Loader seconds, and the table gives the medians.
 
+``--in-process`` measures instead what a worker adds per batch, in one process, which a loaded
+machine disturbs far less than the end-to-end loops: two copies of the pipeline advance in
+lockstep, one batch each in turn, one plain and one followed by what a Loader worker does with
+every batch (``WorkerIterator.state_dict()``: ``get_state()`` and its JSON encoding), timed
+in CPU seconds of the process (a loaded machine's preemptions do not count); the ratio is the
+plain copy's seconds / the other's, the best a Loader can reach when its workers are the
+bottleneck.
+
     python bench/bench_loader.py [--batches 400] [--workers 2 4] [--runs 5] [--pipelines tokens packed]
+    python bench/bench_loader.py --in-process [--batches 400] [--runs 5] [--pipelines tokens packed]
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ import resumable as rs  # noqa: E402
 import resumable.torch as rst  # noqa: E402
 from bench.corpus import make_jsonl_corpus  # noqa: E402
 from resumable.pack import collate_rows  # noqa: E402
+from resumable.torch.dataset import WorkerIterator  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "corpus-100mb.jsonl")
 CORPUS_BYTES = 100 << 20
@@ -138,16 +148,65 @@ def compare(build: Callable[[], rs.Node], workers: int, batches: int, runs: int)
     }
 
 
+def worker_cost(build: Callable[[], rs.Node], batches: int, runs: int) -> dict[str, float]:
+    """Medians over ``runs``: a worker's CPU seconds per batch without and with its state per
+    batch, and their ratio (see ``--in-process``)."""
+    plain_times, state_times, ratios = [], [], []
+    for _ in range(runs):
+        plain, stated = build(), build()
+        worker = WorkerIterator(stated, epoch=0)
+        next(plain), next(worker)  # buffers primed
+        in_plain = in_stated = 0.0
+        for _ in range(batches):
+            start = time.process_time()
+            next(plain)
+            middle = time.process_time()
+            next(worker)
+            worker.state_dict()
+            in_stated += time.process_time() - middle
+            in_plain += middle - start
+        plain.close(), stated.close()
+        plain_times.append(in_plain / batches)
+        state_times.append(in_stated / batches)
+        ratios.append(in_plain / in_stated)
+    return {
+        "plain": statistics.median(plain_times),
+        "stated": statistics.median(state_times),
+        "ratio": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+    }
+
+
+def main_in_process(args: argparse.Namespace) -> None:
+    print(
+        f"in one process: {args.batches} batches of {BATCH} rows per run, {args.runs} runs, medians; "
+        "a plain copy and a copy taking a worker's state after every batch, in lockstep"
+    )
+    print(f"{'pipeline':<10}{'plain ms/b':>12}{'state ms/b':>12}{'ratio':>8}{'(min-max)':>14}")
+    for name in args.pipelines:
+        row = worker_cost(PIPELINES[name], args.batches, args.runs)
+        spread = f"{row['ratio_min']:.3f}-{row['ratio_max']:.3f}"
+        print(
+            f"{name:<10}{1e3 * row['plain']:>12.3f}{1e3 * row['stated']:>12.3f}{row['ratio']:>8.3f}{spread:>14}",
+            flush=True,
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=int, default=400)
     parser.add_argument("--workers", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--pipelines", nargs="+", choices=sorted(PIPELINES), default=["tokens", "packed"])
+    parser.add_argument("--in-process", action="store_true", help="a worker's cost per batch, in one process")
     args = parser.parse_args()
     make_jsonl_corpus(DATA, CORPUS_BYTES)
     len(rs.jsonl(DATA))  # index built before timing
     torch.set_num_threads(1)
+    if args.in_process:
+        main_in_process(args)
+        return
 
     print(
         f"{args.batches} batches of {BATCH} rows per run, {args.runs} alternating runs, medians; "

@@ -10,9 +10,10 @@ Whole buffers rather than pieces dealt one by one, because a new consumer then r
 references of only the one or two old packers it inherits from (a contiguous run, so one or two
 old ranks' states when every rank of ``R`` holds ``C / R`` consumers), not those of all ``C``:
 at 32,768 old consumers that is the difference between decoding two packer states and 32,768
-per new worker. The other old consumers' packer states are not read at all; ``resumable.elastic`` drops
-their references before anything holds them (``drop_buffer``), so a rank keeps only the cursors of the old
-consumers it does not inherit from. A contiguous run (rather than ``i % C'``) also keeps a new
+per new worker. The other old consumers' packer states are not read at all: ``resumable.elastic``
+cuts them out of an old state's text before parsing it (``buffer_free_text``) or drops them once
+parsed (``drop_buffer``), so a rank keeps only the cursors of the old consumers it does not
+inherit from. A contiguous run (rather than ``i % C'``) also keeps a new
 rank's inherited buffers within a few consecutive old ranks, and matches how a whole-epoch
 ``bfd`` plan deals out its rows.
 

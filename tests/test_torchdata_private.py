@@ -45,3 +45,37 @@ def test_the_loader_uses_them_through_one_module() -> None:
     assert "._iterator" not in source and "_shutdown_workers" not in source
     with rst.Loader(lambda: rs.from_list(list(range(6))).batch(2), num_workers=1) as loader:
         assert [[int(x) for x in batch] for batch in loader] == [[0, 1], [2, 3], [4, 5]]
+
+
+def test_the_main_snapshot_is_torchdata_s() -> None:
+    """``_MultiProcessIterator._get_main_state`` answers the ``Stateful`` question once per
+    class; what it returns must stay exactly torchdata's, for a plain and a stateful sampler."""
+
+    class CountingSampler(torch.utils.data.Sampler[int]):
+        def __init__(self) -> None:
+            self.served = 3
+
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            return iter(range(4))
+
+        def __len__(self) -> int:
+            return 4
+
+        def state_dict(self) -> dict[str, int]:
+            return {"served": self.served}
+
+        def load_state_dict(self, state: dict[str, int]) -> None:
+            self.served = state["served"]
+
+    for sampler in (None, CountingSampler()):
+        loader = StatefulDataLoader(
+            torch.utils.data.TensorDataset(torch.arange(4)), num_workers=1, sampler=sampler, batch_size=None
+        )
+        iterator = _torchdata.new_iterator(loader, None)
+        try:
+            next(iterator)
+            ours = iterator._get_main_state()
+            assert ours == super(_torchdata._MultiProcessIterator, iterator)._get_main_state()
+            assert (ours["_index_sampler_state"] is not None) == (sampler is not None)
+        finally:
+            iterator._shutdown_workers()

@@ -13,7 +13,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from torchdata.stateful_dataloader import Stateful
 from torchdata.stateful_dataloader.stateful_dataloader import (
+    _INDEX_SAMPLER_STATE,
+    _ITERABLEDATASET_LEN_CALLED,
+    _SAMPLER_ITER_STATE,
+    _SAMPLER_ITER_YIELDED,
+    _SHARED_SEED,
     _StatefulBaseDataLoaderIter,
     _StatefulMultiProcessingDataLoaderIter,
     _StatefulSingleProcessDataLoaderIter,
@@ -24,7 +30,7 @@ from resumable.loader_state import MAX_COUNT
 
 PRIVATE_NAMES = {
     _StatefulBaseDataLoaderIter: ("_num_yielded", "_sampler_iter_yielded", "_next_index", "__next__"),
-    _StatefulMultiProcessingDataLoaderIter: ("_shutdown_workers",),
+    _StatefulMultiProcessingDataLoaderIter: ("_shutdown_workers", "_get_main_state"),
 }
 """Private attributes used here, by class (``_num_yielded`` and ``_sampler_iter_yielded`` are set
 by ``__init__``, the others are methods); the test checks them."""
@@ -56,7 +62,37 @@ class _SingleProcessIterator(_Bounded, _StatefulSingleProcessDataLoaderIter):  #
 
 
 class _MultiProcessIterator(_Bounded, _StatefulMultiProcessingDataLoaderIter):  # type: ignore[misc]  # torchdata is untyped (Any)
-    """torchdata's iterator over workers, held to ``MAX_COUNT``."""
+    """torchdata's iterator over workers, held to ``MAX_COUNT``.
+
+    Its main-process snapshot, taken with every batch, asks whether the sampler and the
+    sampler's iterator are ``Stateful``: a runtime ``Protocol`` check, about 10-20 us each on
+    Python 3.11, twice per batch. The answer depends only on their classes, so it is asked once
+    per class here; the entries are torchdata's (``tests/test_torchdata_private.py`` compares).
+    """
+
+    def _get_main_state(self) -> dict[str, Any]:
+        return {
+            self._NUM_WORKERS: self._num_workers,
+            _SAMPLER_ITER_STATE: _state_of(self._sampler_iter),
+            _INDEX_SAMPLER_STATE: _state_of(self._index_sampler),
+            _SAMPLER_ITER_YIELDED: self._sampler_iter_yielded,
+            _ITERABLEDATASET_LEN_CALLED: self._IterableDataset_len_called,
+            _SHARED_SEED: self._shared_seed,
+            self._BASE_SEED: self._base_seed,
+        }
+
+
+_stateful_classes: dict[type, bool] = {}
+"""Whether instances of a class are torchdata ``Stateful``, by class, as first found."""
+
+
+def _state_of(value: Any) -> dict[str, Any] | None:
+    """``value.state_dict()`` if ``value`` is ``Stateful``, else None (torchdata's
+    ``try_to_serialize``), with the ``Protocol`` check made once per class."""
+    stateful = _stateful_classes.get(type(value))
+    if stateful is None:
+        stateful = _stateful_classes[type(value)] = isinstance(value, Stateful)
+    return value.state_dict() if stateful else None
 
 
 def new_iterator(loader: Any, state: dict[str, Any] | None) -> Any:

@@ -11,7 +11,9 @@ The baseline is a plain ``torch.utils.data.DataLoader`` over a plain ``IterableD
 same pipeline, whose state is never taken. The Loader hands a state out with every batch and
 the loop calls ``state_dict()`` after every step. For each worker count the two loops
 alternate (which one goes first alternates too), ``--runs`` times; the ratio of each run is
-plain seconds / Loader seconds, and the table gives the medians.
+plain seconds / Loader seconds, and the table gives the medians. The CPU ratio divides the CPU
+seconds of the whole loop (this process and its workers, from building the loader to joining
+them): the cost of the state, which preemptions by other jobs do not inflate.
 
 ``--in-process`` measures instead what a worker adds per batch, in one process, which a loaded
 machine disturbs far less than the end-to-end loops: two copies of the pipeline advance in
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import sys
 import time
@@ -118,13 +121,23 @@ def time_loop(loader: Any, batches: int, take_state: bool) -> tuple[float, float
     return elapsed, in_state
 
 
+def tree_cpu() -> float:
+    """CPU seconds of this process and of its reaped children (the DataLoader workers, once
+    joined): unlike wall time, not inflated when other jobs preempt the loops."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
 def compare(build: Callable[[], rs.Node], workers: int, batches: int, runs: int) -> dict[str, float]:
-    """Medians over ``runs`` alternating runs: batches/s of both loops, their ratio, and
-    ``state_dict()``'s share of the Loader's step."""
-    plain_rates, loader_rates, ratios, shares = [], [], [], []
+    """Medians over ``runs`` alternating runs: batches/s of both loops, their ratio by wall time
+    and by CPU time (main process and workers, start-up to shutdown), and ``state_dict()``'s
+    share of the Loader's step."""
+    plain_rates, loader_rates, ratios, cpu_ratios, shares = [], [], [], [], []
     for run in range(runs):
         seconds: dict[str, float] = {}
+        cpu: dict[str, float] = {}
         for which in ("plain", "loader") if run % 2 == 0 else ("loader", "plain"):
+            cpu[which] = -tree_cpu()
             if which == "plain":
                 plain = DataLoader(
                     PlainDataset(build), batch_size=None, num_workers=workers, prefetch_factor=PREFETCH_FACTOR
@@ -135,6 +148,8 @@ def compare(build: Callable[[], rs.Node], workers: int, batches: int, runs: int)
                 seconds[which], in_state = time_loop(loader, batches, take_state=True)
                 shares.append(in_state / seconds[which])
                 loader.close()
+            cpu[which] += tree_cpu()
+        cpu_ratios.append(cpu["plain"] / cpu["loader"])
         plain_rates.append(batches / seconds["plain"])
         loader_rates.append(batches / seconds["loader"])
         ratios.append(seconds["plain"] / seconds["loader"])
@@ -144,6 +159,7 @@ def compare(build: Callable[[], rs.Node], workers: int, batches: int, runs: int)
         "ratio": statistics.median(ratios),
         "ratio_min": min(ratios),
         "ratio_max": max(ratios),
+        "cpu_ratio": statistics.median(cpu_ratios),
         "state_share": statistics.median(shares),
     }
 
@@ -214,7 +230,7 @@ def main() -> None:
     )
     print(
         f"{'pipeline':<10}{'workers':>8}{'plain b/s':>11}{'Loader b/s':>12}{'ratio':>8}{'(min-max)':>14}"
-        f"{'state_dict/step':>17}"
+        f"{'state_dict/step':>17}{'CPU ratio':>11}"
     )
     for name in args.pipelines:
         for workers in args.workers:
@@ -222,7 +238,7 @@ def main() -> None:
             spread = f"{row['ratio_min']:.2f}-{row['ratio_max']:.2f}"
             print(
                 f"{name:<10}{workers:>8}{row['plain']:>11.1f}{row['loader']:>12.1f}{row['ratio']:>8.3f}"
-                f"{spread:>14}{100 * row['state_share']:>16.2f}%",
+                f"{spread:>14}{100 * row['state_share']:>16.2f}%{row['cpu_ratio']:>11.3f}",
                 flush=True,
             )
 

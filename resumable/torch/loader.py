@@ -199,7 +199,7 @@ class Loader(StatefulDataLoader):  # type: ignore[misc]  # torchdata is untyped 
             if self._next_iter_advances:
                 self._epoch, self._next_iter_advances = self._next_epoch(), False
             self.dataset.set_epoch(self._epoch)
-        rank, world_size = distributed_rank()
+        rank, world_size = self.dataset.rank  # read when this pass started: the rank its workers inherited
         return {
             FORMAT: FORMAT_NAME,
             EPOCH: self._epoch,

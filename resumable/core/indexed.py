@@ -59,11 +59,6 @@ def _raise(error: BaseException) -> NoReturn:
     raise error
 
 
-def _decode_each(decode: Callable[[Any], Any], raws: Sequence[Any]) -> list[Any]:
-    """A run of raw records decoded one call per record (by one C-level ``map``)."""
-    return list(map(decode, raws))
-
-
 def _next_run_of(node: weakref.ref[IndexedNode[Any]]) -> Iterator[Any]:
     live = node()
     return _END if live is None else live._next_run()
@@ -119,9 +114,6 @@ class IndexedNode(Node[T]):
     _chunk: Sequence[Any]
     _chunk_leaves: np.ndarray | None  # leaf indices of the chunk, for last_key()
     _chunk_start: int
-    _decode_run: Callable[[Sequence[Any]], list[Any]]
-    """How the cursor decodes a run ahead: the leaf's ``_decode_run(raws) -> records`` where it
-    has one (it raises the decoder's error on a malformed record), else one call per record."""
     _decodes_whole_chunks: ClassVar[bool] = False
     """Leaf flag: the decoder is cheap and its output no bigger than its input (JSON lines), so
     the cursor decodes ``DECODE_RUN`` records in one C-level call ahead of the consumer. Leaves
@@ -138,6 +130,7 @@ class IndexedNode(Node[T]):
         self._reset_cursor(0)
         self._decode: Callable[[Any], Any] | None = None
         self._decode_ahead = False
+        self._run_decoder: Callable[[Sequence[Any]], list[Any]] = list  # the leaf's, once the chain is prepared
         self._fns: tuple[Callable[[Any], Any], ...] = ()
         self._chain_ready = False
 
@@ -206,6 +199,18 @@ class IndexedNode(Node[T]):
     def _reserve_span(self, fraction: float) -> None:
         """Leaf hook: readers go back and forth over about ``fraction`` of the records at a time
         (a block shuffle's window): keep that much of the data cached."""
+
+    def _decoder(self) -> Callable[[Any], Any] | None:
+        """Leaf hook: the function turning a raw record into a record; None when raw records
+        are final."""
+        return None
+
+    def _decode_run(self, raws: Sequence[Any]) -> list[Any]:
+        """Leaf hook: a run of raw records decoded ahead (``_decodes_whole_chunks``), raising the
+        decoder's error on a malformed one. One decoder call per record here; a leaf may do it
+        in fewer (JSONL: one call per run)."""
+        decode = self._decoder()
+        return list(raws) if decode is None else list(map(decode, raws))
 
     def _record_fns(self) -> tuple[Callable[[Any], Any], ...]:
         """Per-record functions (maps) applied after decoding, from the leaf up to here."""
@@ -385,15 +390,9 @@ class IndexedNode(Node[T]):
     def _prepare_chain(self) -> None:
         if not self._chain_ready:
             leaf = self.leaf
-            decode = self._decode = leaf._decoder()
+            self._decode = leaf._decoder()
             self._decode_ahead = leaf._decodes_whole_chunks
-            # A leaf may decode a run in fewer calls than one per record (JSONL): an optional
-            # hook, looked up once per chain (a runtime protocol check costs ~20 us per pipeline).
-            decode_run = getattr(leaf, "_decode_run", None)
-            if decode_run is not None:
-                self._decode_run = decode_run
-            elif decode is not None:
-                self._decode_run = partial(_decode_each, decode)
+            self._run_decoder = leaf._decode_run
             self._fns = self._record_fns()
             self._chain_ready = True
 
@@ -463,7 +462,7 @@ class IndexedNode(Node[T]):
         part = raws[offset : offset + max(1, min(self._run_size, fits))]
         self._run_size = min(self._run_size * 2, DECODE_RUN)
         try:
-            return self._decode_run(part), False
+            return self._run_decoder(part), False
         except Exception:  # noqa: BLE001 - a malformed record: sorted out as it is handed out
             return part, True
 

@@ -21,6 +21,11 @@ class Leaf(Protocol):
         """The function turning a raw record into a record; None when raw records are final."""
         ...
 
+    def _decode_run(self, raws: Sequence[Any]) -> list[Any]:
+        """A run of raw records decoded ahead (when ``_decodes_whole_chunks``), raising the
+        decoder's error on a malformed one."""
+        ...
+
     _decodes_whole_chunks: ClassVar[bool]
     """Whether the cursor may decode a run of this leaf's raw records in one call, ahead of
     handing them out (cheap decoders such as ``orjson.loads``)."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Callable, Mapping, Sequence, TypeVar
+from typing import Any, Mapping, Sequence, TypeVar
 
 import numpy as np
 
@@ -44,10 +44,6 @@ class Source(IndexedNode[T]):
     def _raw_at(self, indices: np.ndarray) -> Sequence[Any]:
         """Raw records at arbitrary ``indices`` (an int64 array), in that order."""
         raise NotImplementedError
-
-    def _decoder(self) -> Callable[[Any], Any] | None:
-        """The function turning a raw record into a record; None when raw records are final."""
-        return None
 
     @property
     def skips_malformed(self) -> bool:

@@ -322,7 +322,7 @@ class BufferedRows:
             + [(entry, INHERITED) for entry in inherited_refs]
         )
         fetcher = Refetcher(pack.upstream.fetch_many, pack._documents.read, path, key_checker(pack.upstream))
-        reserved = _reserved(state, len(entries), pack.length_fn is not None, path)
+        reserved = saved_reserved(state, len(entries), pack.length_fn is not None, path)
         lazy = reserved is not None and not _reads_streams(pack.upstream)
         extras = iter(reserved or ())
         if not lazy:
@@ -407,7 +407,7 @@ def listed(state: dict[str, Any], path: str) -> dict[str, Any]:
     return listed
 
 
-def _reserved(state: dict[str, Any], count: int, length_fn: bool, path: str) -> list[int] | None:
+def saved_reserved(state: dict[str, Any], count: int, length_fn: bool, path: str) -> list[int] | None:
     """The positions each of the ``count`` saved pieces reserves (all 0 without a
     ``length_fn``), or None where the state does not say (saved before ``RESERVED`` existed)."""
     if not length_fn:

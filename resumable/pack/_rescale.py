@@ -30,7 +30,7 @@ import numpy as np
 
 from resumable.core.state import ENDED, KIND, UPSTREAM, VERSION, require
 from resumable.errors import StateError
-from resumable.pack._buffered import listed
+from resumable.pack._buffered import listed, saved_reserved
 from resumable.pack._entries import (
     BUFFER_SIZE,
     COUNTERS,
@@ -110,13 +110,9 @@ def rescaled(pack: Pack, olds: list[dict[str, Any]], path: str, consumer: int, n
 def _extras(old: dict[str, Any], counts: list[int], pack: Pack, where: str) -> list[int] | None:
     """The reserved positions of an old state's pieces in dealing order (inherited, span, ready,
     open; the state saves them open, ready, span, inherited), or None where it does not say."""
-    if pack.length_fn is None:
-        return [0] * sum(counts)
-    if RESERVED not in old:
+    saved = saved_reserved(old, sum(counts), pack.length_fn is not None, where)
+    if saved is None:
         return None
-    saved = require(old, RESERVED, list, where)
-    if len(saved) != sum(counts) or not all(is_count(value) for value in saved):
-        raise StateError(f"{where}: state entry {RESERVED!r} must hold {sum(counts)} counts >= 0, one per piece")
     parts, at = [], 0
     for count in counts:
         parts.append(saved[at : at + count])

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from resumable.core.indexed import EPOCH, LENGTH, POSITION
+from resumable.core.keys import loaded_prefix
 from resumable.core.node import Node
 from resumable.core.state import (
     ENDED,
@@ -294,7 +295,7 @@ def _pack_buffer(node: dict[str, Any]) -> str:
     ready_pieces, ready_rows = len(node.get(READY, [])), len(node.get(READY_SIZES, []))
     inherited = node.get(INHERITED, [])
     references = [*node.get(OPEN, []), *node.get(READY, []), *inherited]
-    documents = {tuple(ref[:-2]) for ref in references}
+    documents = {str(ref[:-2]) for ref in references}  # a stride key's prefix holds a dict
     text = (
         f"{len(documents)} documents referenced: {open_pieces} pieces in {open_rows} open groups, "
         f"{ready_pieces} pieces in {ready_rows} closed rows not yet emitted"
@@ -419,7 +420,7 @@ def _check_pack_buffer(node: dict[str, Any], at: str) -> None:
                 not isinstance(piece, list)
                 or len(piece) < 4
                 or not all(is_count(value) for value in piece[-4:])
-                or not all(isinstance(name, str) for name in piece[:-4])
+                or loaded_prefix(piece[:-4]) is None
             ):
                 raise StateError(
                     f"{at}: state entry {key!r}[{index}] is {_shown(piece)}, "

@@ -42,11 +42,12 @@ def old_states(docs: list[dict[str, Any]], consumers: int) -> tuple[list[dict[st
     return states, seen
 
 
-def pieces(state: dict[str, Any]) -> list[tuple[int, ...]]:
-    """Every piece reference a packer state holds, in any section."""
+def pieces(state: dict[str, Any]) -> list[str]:
+    """Every piece reference a packer state holds, in any section, as JSON text (a stride key's
+    reference holds a dict)."""
     listed = expand_references(state)
     span = [listed["span"]] if listed["span"] else []
-    return sorted(tuple(ref) for ref in listed["open"] + listed["ready"] + span + listed["inherited"])
+    return sorted(json.dumps(ref) for ref in listed["open"] + listed["ready"] + span + listed["inherited"])
 
 
 @given(st.integers(1, 60), st.integers(1, 60))

@@ -17,10 +17,11 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, NoReturn, S
 
 import numpy as np
 
-from resumable.core.keys import RecordKey, leaf_key
+from resumable.core.keys import RecordKey, Stride, leaf_key
 from resumable.core.node import Node
 from resumable.core.state import require_count
 from resumable.errors import ConfigError, StateError
+from resumable.order.partition import shard_size
 
 if TYPE_CHECKING:
     from resumable.core.protocols import Leaf
@@ -230,12 +231,60 @@ class IndexedNode(Node[T]):
         return self._record_of(int(self._leaf_indices(np.array([position], dtype=np.int64), epoch)[0]))
 
     def fetch_many(self, keys: Sequence[RecordKey]) -> list[T]:
+        return [self._record_of(index) for index in self._leaf_records(keys)]
+
+    def _leaf_records(self, keys: Sequence[RecordKey]) -> list[int]:
+        """The leaf record index of each key, leaf keys and stride keys alike (those of one
+        stride and epoch resolved in one call); IndexError for a key naming no record."""
+        indices: list[int] = [0] * len(keys)
+        strides: dict[tuple[Stride, int], list[int]] = {}
+        for at, key in enumerate(keys):
+            if len(key) == 3 and isinstance(key[0], Stride):
+                strides.setdefault((key[0], key[1]), []).append(at)
+            else:
+                indices[at] = leaf_key(key, self.kind)[1]
         size = len(self.leaf)
-        indices = [leaf_key(key, self.kind)[1] for key in keys]
         for index in indices:
             if not 0 <= index < size:
                 raise IndexError(f"{self.kind}: record index {index!r} out of range [0, {size})")
-        return [self._record_of(index) for index in indices]
+        for (stride, epoch), ats in strides.items():
+            positions = [keys[at][2] for at in ats]
+            for at, leaf in zip(ats, self._stride_leaves(stride, epoch, positions).tolist()):
+                indices[at] = leaf
+        return indices
+
+    def _stride_leaves(self, stride: Stride, epoch: int, positions: list[int]) -> np.ndarray:
+        """Leaf indices of positions ``positions`` of ``stride`` in ``epoch``; IndexError for one
+        outside the stride (or below a chain without a shard)."""
+        base, problem = self._stride_base(), self.stride_problem(stride, epoch, positions)
+        if base is None or problem is not None:
+            raise IndexError(f"{self.kind}: {problem}")
+        below = stride.consumer + np.array(positions, dtype=np.int64) * stride.consumers
+        return base._leaf_indices(below, epoch)
+
+    def stride_problem(self, stride: Stride, epoch: int, positions: Sequence[int]) -> str | None:
+        """Why positions ``positions`` of ``stride`` in ``epoch`` name no record here (None when
+        they all do): no shard below, a position that is not an int, or one past the stride."""
+        base = self._stride_base()
+        if base is None:
+            return f"{stride} names a shard's stride, but no shard is below {self.kind}"
+        if not all(isinstance(position, int) and not isinstance(position, bool) for position in positions):
+            return f"positions {list(positions)!r:.80} of {stride} are not all ints"
+        size = shard_size(base._length(epoch), stride.consumer, stride.consumers)
+        if positions and not 0 <= min(positions) <= max(positions) < size:
+            return f"positions {min(positions)}-{max(positions)} of {stride} out of range [0, {size})"
+        return None
+
+    def _stride_base(self) -> IndexedNode[Any] | None:
+        """The node whose positions stride keys count: a shard's upstream (None without a shard)."""
+        return None if self.upstream is None else self.upstream._stride_base()
+
+    def _stride_of(self, epoch: int) -> Stride | None:
+        """The stride this node's positions of ``epoch`` are, when they are a shard's own
+        (serial maps over a shard that holds no remap for the epoch); None otherwise."""
+        if self._same_positions and self.upstream is not None:
+            return self.upstream._stride_of(epoch)
+        return None
 
     def _record_of(self, index: int) -> T:
         """Leaf record ``index`` through this chain's decoder and maps."""
@@ -288,9 +337,14 @@ class IndexedNode(Node[T]):
             yield leaf, record
 
     def last_key(self) -> RecordKey | None:
+        """A stride key where this node's positions are a shard's stride (``_stride_of``), a
+        leaf key otherwise."""
         last = self.position - 1
         if last < 0:
             return None
+        stride = self._stride_of(self._epoch)
+        if stride is not None:
+            return (stride, self._epoch, last)
         offset = last - self._chunk_start
         if offset < 0:  # restored at a chunk boundary: the record came before this chunk
             return (self._epoch, int(self._leaf_indices(np.array([last], dtype=np.int64), self._epoch)[0]))

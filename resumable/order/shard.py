@@ -7,6 +7,7 @@ from typing import Any, Sequence, TypeVar
 import numpy as np
 
 from resumable.core.indexed import IndexedNode
+from resumable.core.keys import Stride
 from resumable.core.state import check_header, require
 from resumable.errors import ConfigError, StateError
 from resumable.order.elastic import Remap, Share
@@ -57,6 +58,7 @@ class Shard(IndexedNode[T]):
         self.next_remap: Remap | None = None
         self._cursor: tuple[int, int] | None = None  # (epoch, position) of the cursor at get_state
         self._saved_remap: tuple[int, dict[str, Any]] | None = None  # (first, JSON) last saved
+        self._stride_key: Stride | None = None  # the last stride last_key() named, one object for all
 
     @property
     def topology(self) -> Topology:
@@ -100,6 +102,20 @@ class Shard(IndexedNode[T]):
         if remap is not None:
             parent_positions = remap.to_base(parent_positions)
         return self.upstream._leaf_indices(parent_positions, epoch)
+
+    def _stride_base(self) -> IndexedNode[Any]:
+        return self.upstream
+
+    def _stride_of(self, epoch: int) -> Stride | None:
+        """This consumer's stride, unless a remap holds the epoch (its positions then run over
+        what the old consumers left, not over a stride of the upstream's)."""
+        if self._remap_of(epoch) is not None:
+            return None
+        topology = self.topology
+        stride = self._stride_key
+        if stride is None or stride != (topology.consumer, topology.num_consumers):
+            stride = self._stride_key = Stride(topology.consumer, topology.num_consumers)
+        return stride
 
     def _raw_chunk(self, start: int, count: int, epoch: int) -> Sequence[Any]:
         if self.topology.num_consumers == 1 and self._remap_of(epoch) is None:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, cast
 import numpy as np
 
 from resumable.core.indexed import IndexedNode
-from resumable.core.keys import RecordKey
+from resumable.core.keys import RecordKey, Stride
 from resumable.core.state import require
 from resumable.errors import ConfigError, SourceError, StateError
 from resumable.ops.filter import Filter
@@ -443,6 +443,8 @@ def key_checker(upstream: Node[Any]) -> Callable[[RecordKey], str | None]:
             if name not in node.components:
                 return f"{key!r} does not name a component of the mix first"
             return key_checker(node.components[name])(key[1:])
+        if isinstance(node, IndexedNode) and len(key) == 3 and isinstance(key[0], Stride):
+            return node.stride_problem(key[0], key[1], [key[2]])
         if isinstance(node, IndexedNode) and len(key) == 2:
             size = len(node.leaf)
             return None if key[1] < size else f"record index {key[1]} out of range [0, {size})"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
-from resumable.core.keys import RecordKey
+from resumable.core.keys import RecordKey, Stride, loaded_prefix
 from resumable.core.state import require, short_repr
 from resumable.errors import ResumableError, StateError
 from resumable.pack._entries import PADDING, ROWS
@@ -79,19 +79,20 @@ class Refetcher:
     def parse(self, entry: Any, where: str) -> tuple[RecordKey, int, int]:
         """``(key, token_start, token_end)`` of a saved reference ``[*key, start, end]``: the key
         is an epoch and a record index, behind the names of the mix components it came through."""
+        prefix = loaded_prefix(entry[:-PIECE_FIELDS]) if isinstance(entry, list) else None
         if (
-            isinstance(entry, list)
+            prefix is not None
             and len(entry) >= PIECE_FIELDS
             and all(is_count(value) for value in entry[-PIECE_FIELDS:])
-            and all(isinstance(name, str) for name in entry[:-PIECE_FIELDS])
         ):
-            key, start, end = tuple(entry[:-2]), entry[-2], entry[-1]
+            key, start, end = (*prefix, *entry[-PIECE_FIELDS:-2]), entry[-2], entry[-1]
             if start < end:
                 return key, start, end
             raise StateError(f"{self._path}: {where} entry {entry} is an empty token range")
         raise StateError(
             f"{self._path}: {where} entry {short_repr(entry)} is not "
-            "[epoch, record, token_start, token_end] of ints >= 0 (behind mix component names, after a mix)"
+            "[epoch, record, token_start, token_end] of ints >= 0 (behind mix component names, after a mix, "
+            'and a shard\'s stride {"consumer": c, "of": C}, below a shard)'
         )
 
     def fetch(self, entries: list[tuple[Any, str]]) -> None:
@@ -182,9 +183,14 @@ def grouped(state: Mapping[str, Any], key: str, sizes_key: str, path: str) -> li
 
 
 def key_text(key: RecordKey) -> str:
-    """A record key as messages name it: ``(mix component web, epoch 0, record 12)``."""
-    components = "".join(f"mix component {name}, " for name in key[:-2])
-    return f"({components}epoch {key[-2]}, record {key[-1]})"
+    """A record key as messages name it: ``(mix component web, epoch 0, record 12)``, or
+    ``(consumer 3 of 8, epoch 0, position 12)`` for a stride key."""
+    parts = [
+        f"consumer {part.consumer} of {part.consumers}" if isinstance(part, Stride) else f"mix component {part}"
+        for part in key[:-2]
+    ]
+    record = "position" if key[:-2] and isinstance(key[-3], Stride) else "record"
+    return f"({', '.join([*parts, f'epoch {key[-2]}'])}, {record} {key[-1]})"
 
 
 def is_count(value: Any) -> bool:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from resumable.core.keys import loaded_prefix
 from resumable.core.state import ENDED, KIND, UPSTREAM, VERSION, require
 from resumable.errors import StateError
 from resumable.pack._buffered import listed, saved_reserved
@@ -122,17 +123,17 @@ def _extras(old: dict[str, Any], counts: list[int], pack: Pack, where: str) -> l
 
 def _parsed(entry: Any, where: str) -> tuple[tuple[Any, ...], int, int]:
     """``(key, start, end)`` of a piece reference ``[*component names, epoch, record, start, end]``."""
+    prefix = loaded_prefix(entry[:-PIECE_FIELDS]) if isinstance(entry, list) else None
     if (
-        isinstance(entry, list)
+        prefix is not None
         and len(entry) >= PIECE_FIELDS
         and all(is_count(value) and value < REF_LIMIT for value in entry[-PIECE_FIELDS:])
-        and all(isinstance(name, str) for name in entry[:-PIECE_FIELDS])
         and entry[-2] < entry[-1]
     ):
-        return tuple(entry[:-2]), entry[-2], entry[-1]
+        return (*prefix, *entry[-PIECE_FIELDS:-2]), entry[-2], entry[-1]
     raise StateError(
         f"{where}: piece reference {entry!r:.80} is not [epoch, record, token_start, token_end] of ints >= 0 "
-        "with start < end (behind mix component names, after a mix)"
+        "with start < end (behind mix component names, after a mix, and a shard's stride, below a shard)"
     )
 
 

@@ -461,6 +461,76 @@ def test_rescales_deliver_each_token_once_and_mixed_buffers_restore_exactly() ->
     assert kinds_seen & new_strides, "and the new topology's stride keys of the next epoch"
 
 
+ELASTIC_VARIANTS: dict[str, Callable[[int, int, int], rs.Node]] = {
+    "best_fit": elastic_pipeline,
+    "reorder_after_shard": lambda c, n, epochs: packer(
+        rs.from_list(ELASTIC_DOCS).shuffle(7).shard(c, n).shuffle(5).repeat(epochs).map(tokens)
+    ),
+    "block_shuffle_below": lambda c, n, epochs: (
+        rs.from_list(ELASTIC_DOCS)
+        .shuffle(7, block_size=8)
+        .shard(c, n)
+        .repeat(epochs)
+        .map(tokens)
+        .filter(keep)
+        .pack(SEQ_LEN, strategy="first_fit", buffer_size=3)
+    ),
+    "greedy_mix": lambda c, n, epochs: (
+        rs.mix(
+            {
+                "a": rs.from_list(ELASTIC_DOCS[:80]).shuffle(1).shard(c, n).map(tokens),
+                "b": rs.from_list(ELASTIC_DOCS[80:]).shuffle(2).shard(c, n),
+            },
+            weights={"a": 1.0, "b": 1.0},
+            seed=4,
+            on_end="drop",  # every document of both once an epoch
+        )
+        .pack(SEQ_LEN, strategy="greedy")
+        .repeat(epochs)
+    ),
+}
+
+
+def variant_tokens(variant: str, epochs: int) -> Counter[int]:
+    kept = [doc for doc in ELASTIC_DOCS if variant != "block_shuffle_below" or keep(doc)]
+    return Counter({doc["id"] + 1: epochs * len(doc["input_ids"]) for doc in kept})
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    variant=st.sampled_from(sorted(ELASTIC_VARIANTS)),
+    phases=st.lists(
+        st.tuples(st.integers(1, 6), st.lists(st.floats(0, 0.6), min_size=1, max_size=3)), min_size=2, max_size=4
+    ),
+    step=st.integers(0, 12),
+)
+def test_drawn_rescales_deliver_each_token_once_and_restore_exactly(
+    variant: str, phases: list[tuple[int, list[float]]], step: int
+) -> None:
+    """Drawn topologies over drawn chains (a reading order after the shard, whose rescaled
+    epoch keeps leaf keys; a block shuffle and a filter below; a mix of sharded components):
+    every token once per epoch, and each restored consumer restores exactly ``step`` rows on."""
+    epochs = 2
+    build = ELASTIC_VARIANTS[variant]
+    seen: Counter[int] = Counter()
+    states: list[dict[str, Any]] | None = None
+    for number, (consumers, fractions) in enumerate(phases):
+        last = number == len(phases) - 1
+        new_states = []
+        for consumer in range(consumers):
+            with build(consumer, consumers, epochs) as pipe:
+                if states is not None:
+                    restore(pipe, states)
+                    if consumer == step % consumers:
+                        check_restores_exactly(lambda c=consumer: build(c, consumers, epochs), saved(pipe), [step])
+                fraction = 1.0 if last else fractions[consumer % len(fractions)]
+                for row in take_share(pipe, fraction, set()):
+                    seen.update(delivered(row))
+                new_states.append(saved(pipe))
+        states = new_states
+    assert seen == variant_tokens(variant, epochs)
+
+
 def shard_of(pipe: rs.Node) -> Any:
     node = pipe
     while not isinstance(node, rs.nodes.Shard):

@@ -41,6 +41,7 @@ import resumable.torch as rst
 from resumable.elastic import as_consumer
 from resumable.order.elastic import Level, Remap, rescale, shard_sizes
 from resumable.order.topology import Topology
+from resumable.pack import expand_references
 from resumable.pack._rescale import inherited_from
 
 DOCUMENTS = 10**10
@@ -196,7 +197,7 @@ def loader_state(rank: int, world_size: int, texts: list[str]) -> dict[str, Any]
     }
 
 
-def with_packer(rank: int, sample: int, processes: int) -> None:
+def with_packer(rank: int, sample: int, processes: int, rows_later: list[int]) -> None:
     """Part 2: a real packed pipeline at full scale, one new rank's Loader restore."""
     new_consumers = NEW_RANKS * NEW_WORKERS
     mine = [rank * NEW_WORKERS + w for w in range(NEW_WORKERS)]
@@ -247,6 +248,22 @@ def with_packer(rank: int, sample: int, processes: int) -> None:
 
     stepped, workers_s, workers_peak = measured(workers)
     after_row = json_bytes(loader_state(rank, NEW_RANKS, stepped))
+
+    def later(rows: int) -> tuple[int, list[int]]:
+        """The new rank's Loader state after ``rows`` rows per worker, and each worker's pieces
+        held then by key kind (stride keys, leaf keys)."""
+        saved, kinds = [], [0, 0]
+        for worker in range(NEW_WORKERS):
+            pipe = as_consumer(build(), Topology(rank, NEW_RANKS, worker, NEW_WORKERS))
+            pipe.set_state(json.loads(rescaled[worker]))
+            for _ in range(rows):
+                next(pipe)
+            state = pipe.get_state()  # the packer's (the outermost node's)
+            for ref in expand_references(state)["open"]:
+                kinds[0 if len(ref) > 4 and isinstance(ref[-5], dict) else 1] += 1
+            saved.append(orjson.dumps(state).decode())
+        return json_bytes(loader_state(rank, NEW_RANKS, saved)), kinds
+
     print(
         f"  one new rank's restore (Loader.load_state_dict of the {OLD_RANKS:,} old rank states, as parsed "
         f"JSON with each worker's pipeline state as JSON text): {restore_s * 1e3:.0f} ms "
@@ -262,6 +279,12 @@ def with_packer(rank: int, sample: int, processes: int) -> None:
         f"{min(pieces)}-{max(pieces)} pieces, {sum(pieces)} in all), {after_row / KIB:.1f} kB after each "
         "worker's first row"
     )
+    for rows in rows_later:
+        size, (stride_keys, leaf_keys) = later(rows)
+        print(
+            f"  after {rows} rows per worker: the new rank's Loader state {size / KIB:.1f} kB (open pieces with "
+            f"stride keys {stride_keys}, with leaf keys {leaf_keys}: the rescaled epoch's own reads)"
+        )
 
 
 def main() -> None:
@@ -270,9 +293,12 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=NEW_RANKS // 2, help="the new rank whose restore is measured")
     parser.add_argument("--sample", type=int, default=256, help="old workers run for real besides the inherited ones")
     parser.add_argument("--processes", type=int, default=2, help="processes running the old workers")
+    parser.add_argument(
+        "--later", type=int, nargs="*", default=[300, 1000], help="rows per new worker before measuring again"
+    )
     args = parser.parse_args()
     arithmetic(args.drift)
-    with_packer(args.rank, args.sample, args.processes)
+    with_packer(args.rank, args.sample, args.processes, args.later)
 
 
 if __name__ == "__main__":

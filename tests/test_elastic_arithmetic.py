@@ -106,3 +106,28 @@ def test_scale_simulation_ten_billion_documents() -> None:
     new_cursors = [shard_size(remap.length, c, new) // 2 for c in range(new)]
     again = rescale(remap, 0, remap.length, new_cursors)
     assert len(again.steps) <= 2 and all(isinstance(step, Offset) for step in again.steps[1:])
+
+
+@given(
+    st.integers(1, 400),
+    st.lists(st.lists(st.integers(0, 30), min_size=1, max_size=6), min_size=1, max_size=4),
+    st.integers(0, 10**6),
+)
+def test_past_its_tail_start_a_remap_is_a_shift(length: int, rescales: list[list[int]], first: int) -> None:
+    """``Remap.tail_shift``: every position from ``start`` on maps to itself plus ``shift``, the
+    arithmetic that names the positions past the bands by stride keys; compacting keeps it."""
+    remap = None
+    for drawn in rescales:
+        space = length if remap is None else remap.length
+        sizes = shard_sizes(space, len(drawn))
+        remap = rescale(remap, 0, space, [min(c, int(s)) for c, s in zip(drawn, sizes)])
+    assert remap is not None
+    tail = remap.tail_shift()
+    assert tail is not None
+    start, shift = tail
+    positions = np.arange(min(start, remap.length), remap.length, dtype=np.int64)
+    assert np.array_equal(remap.to_base(positions), positions + shift)
+    compacted = remap.compacted(min(first, remap.length))
+    kept = positions[positions >= compacted.first]
+    assert compacted.tail_shift() is not None
+    assert np.array_equal(compacted.to_base(kept), kept + shift)

@@ -73,20 +73,36 @@ def test_a_stride_key_names_the_record_it_came_with(kind: str) -> None:
     ]
 
 
-def test_without_a_shard_or_under_a_remap_keys_are_leaf_keys() -> None:
+def test_without_a_shard_keys_are_leaf_keys() -> None:
     docs = documents(40)
     pipe = rs.from_list(docs).shuffle(1).map(dict)
     next(pipe)
     assert pipe.last_key() == (0, int(pipe.upstream.permutation(0).take(np.array([0]))[0]))
-    old = [rs.from_list(docs).shuffle(1).shard(c, 2).map(dict) for c in range(2)]
+
+
+@pytest.mark.parametrize("new_consumers", [1, 2, 3, 5])
+def test_under_a_remap_keys_are_leaf_keys_in_the_band_and_stride_keys_past_it(new_consumers: int) -> None:
+    """The epoch a rescale cut short: a position in the band (left below the fastest old
+    cursor) has a leaf key; past it the remap is a shift, and the key a stride key of the new
+    topology's consumers; every key fetches the record it came with."""
+    docs = documents(120)
+    old = [rs.from_list(docs).shuffle(1).shard(c, 4).map(dict) for c in range(4)]
     for consumer, node in enumerate(old):
-        for _ in range(3 + consumer):
+        for _ in range(3 + consumer * 2):  # cursors 3, 5, 7, 9: a band of 6 + 4 + 2 positions
             next(node)
-    new = rs.from_list(docs).shuffle(1).shard(0, 3).map(dict)
-    restore(new, [node.get_state() for node in old])
-    record = next(new)
-    key = new.last_key()  # the rescaled epoch's positions run over what the old consumers left
-    assert len(key) == 2 and new.fetch(key) == record
+    states = [node.get_state() for node in old]
+    kinds = []
+    for consumer in range(new_consumers):
+        new = rs.from_list(docs).shuffle(1).shard(consumer, new_consumers).map(dict)
+        restore(new, states)
+        for record in new:
+            key = new.last_key()
+            assert key is not None and new.fetch(key) == record
+            kinds.append("stride" if isinstance(key[0], Stride) else "leaf")
+            if isinstance(key[0], Stride):
+                assert key[0].consumers == new_consumers
+    assert kinds.count("leaf") == 12  # the band, whoever reads it
+    assert kinds.count("stride") == 120 - 12 - (3 + 5 + 7 + 9)
 
 
 @pytest.mark.parametrize("kind", INDEXED_KINDS)

@@ -279,11 +279,12 @@ class IndexedNode(Node[T]):
         """The node whose positions stride keys count: a shard's upstream (None without a shard)."""
         return None if self.upstream is None else self.upstream._stride_base()
 
-    def _stride_of(self, epoch: int) -> Stride | None:
-        """The stride this node's positions of ``epoch`` are, when they are a shard's own
-        (serial maps over a shard that holds no remap for the epoch); None otherwise."""
+    def _stride_key(self, epoch: int, position: int) -> RecordKey | None:
+        """The key of this node's ``position`` in ``epoch`` as a stride key, where its positions
+        are a shard's own (serial maps over a shard) and the shard can name it so; None for a
+        leaf key."""
         if self._same_positions and self.upstream is not None:
-            return self.upstream._stride_of(epoch)
+            return self.upstream._stride_key(epoch, position)
         return None
 
     def _record_of(self, index: int) -> T:
@@ -337,14 +338,14 @@ class IndexedNode(Node[T]):
             yield leaf, record
 
     def last_key(self) -> RecordKey | None:
-        """A stride key where this node's positions are a shard's stride (``_stride_of``), a
-        leaf key otherwise."""
+        """A stride key where this node's positions are a shard's (``_stride_key``), a leaf key
+        otherwise."""
         last = self.position - 1
         if last < 0:
             return None
-        stride = self._stride_of(self._epoch)
-        if stride is not None:
-            return (stride, self._epoch, last)
+        key = self._stride_key(self._epoch, last)
+        if key is not None:
+            return key
         offset = last - self._chunk_start
         if offset < 0:  # restored at a chunk boundary: the record came before this chunk
             return (self._epoch, int(self._leaf_indices(np.array([last], dtype=np.int64), self._epoch)[0]))

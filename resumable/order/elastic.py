@@ -372,6 +372,21 @@ class Remap:
             positions = step.to_parent(positions)
         return positions
 
+    def tail_shift(self) -> tuple[int, int] | None:
+        """``(start, shift)`` such that every position ``r >= start`` of this space is position
+        ``r + shift`` of the epoch's own (each level's tail, past its band, is a shifted copy of
+        its parent's); None under a reading order, which sends positions anywhere."""
+        start, shift = 0, 0
+        for step in self.steps:
+            if isinstance(step, Reorder):
+                return None
+            if isinstance(step, Offset):
+                shift += step.shift
+                continue
+            start = max(start, step.band - shift)
+            shift += step.tail_start - step.band
+        return start, shift
+
     def compacted(self, first: int) -> Remap:
         """The same map for positions ``>= first`` only: every level whose band lies wholly
         below what those positions reach becomes an offset. Steps are not merged, so states of

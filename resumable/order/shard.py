@@ -7,7 +7,7 @@ from typing import Any, Sequence, TypeVar
 import numpy as np
 
 from resumable.core.indexed import IndexedNode
-from resumable.core.keys import Stride
+from resumable.core.keys import RecordKey, Stride
 from resumable.core.state import check_header, require
 from resumable.errors import ConfigError, StateError
 from resumable.order.elastic import Remap, Share
@@ -58,7 +58,8 @@ class Shard(IndexedNode[T]):
         self.next_remap: Remap | None = None
         self._cursor: tuple[int, int] | None = None  # (epoch, position) of the cursor at get_state
         self._saved_remap: tuple[int, dict[str, Any]] | None = None  # (first, JSON) last saved
-        self._stride_key: Stride | None = None  # the last stride last_key() named, one object for all
+        self._own_stride: Stride | None = None  # this consumer's stride, one object for all its keys
+        self._tail: tuple[Remap, tuple[int, int] | None] | None = None  # a remap and its tail_shift()
 
     @property
     def topology(self) -> Topology:
@@ -106,16 +107,26 @@ class Shard(IndexedNode[T]):
     def _stride_base(self) -> IndexedNode[Any]:
         return self.upstream
 
-    def _stride_of(self, epoch: int) -> Stride | None:
-        """This consumer's stride, unless a remap holds the epoch (its positions then run over
-        what the old consumers left, not over a stride of the upstream's)."""
-        if self._remap_of(epoch) is not None:
-            return None
+    def _stride_key(self, epoch: int, position: int) -> RecordKey | None:
+        """Position ``position`` as a stride key: of this consumer's stride, or under a remap,
+        past the levels' bands where the remap is a shift (``Remap.tail_shift``), of the stride
+        of ``C`` that the shifted positions form; None in a band or under a reading order."""
         topology = self.topology
-        stride = self._stride_key
-        if stride is None or stride != (topology.consumer, topology.num_consumers):
-            stride = self._stride_key = Stride(topology.consumer, topology.num_consumers)
-        return stride
+        consumer, consumers = topology.consumer, topology.num_consumers
+        remap = self._remap_of(epoch)
+        if remap is None:
+            stride = self._own_stride
+            if stride is None or stride != (consumer, consumers):
+                stride = self._own_stride = Stride(consumer, consumers)
+            return (stride, epoch, position)
+        if self._tail is None or self._tail[0] is not remap:
+            self._tail = (remap, remap.tail_shift())
+        tail = self._tail[1]
+        at = consumer + position * consumers
+        if tail is None or at < tail[0]:
+            return None
+        below = at + tail[1]
+        return (Stride(below % consumers, consumers), epoch, below // consumers)
 
     def _raw_chunk(self, start: int, count: int, epoch: int) -> Sequence[Any]:
         if self.topology.num_consumers == 1 and self._remap_of(epoch) is None:

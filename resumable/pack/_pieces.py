@@ -79,13 +79,9 @@ class Refetcher:
     def parse(self, entry: Any, where: str) -> tuple[RecordKey, int, int]:
         """``(key, token_start, token_end)`` of a saved reference ``[*key, start, end]``: the key
         is an epoch and a record index, behind the names of the mix components it came through."""
-        prefix = loaded_prefix(entry[:-PIECE_FIELDS]) if isinstance(entry, list) else None
-        if (
-            prefix is not None
-            and len(entry) >= PIECE_FIELDS
-            and all(is_count(value) for value in entry[-PIECE_FIELDS:])
-        ):
-            key, start, end = (*prefix, *entry[-PIECE_FIELDS:-2]), entry[-2], entry[-1]
+        parts = reference_parts(entry)
+        if parts is not None:
+            key, start, end = parts
             if start < end:
                 return key, start, end
             raise StateError(f"{self._path}: {where} entry {entry} is an empty token range")
@@ -180,6 +176,18 @@ def grouped(state: Mapping[str, Any], key: str, sizes_key: str, path: str) -> li
         groups.append(entries[start : start + size])
         start += size
     return groups
+
+
+def reference_parts(entry: Any) -> tuple[RecordKey, int, int] | None:
+    """``(key, start, end)`` of a saved reference ``[*prefix, epoch, record, start, end]``
+    (``loaded_prefix``: mix component names, then a stride) of ints >= 0; None where ``entry``
+    is not one. Whether ``start < end`` is left to the caller."""
+    if not isinstance(entry, list) or len(entry) < PIECE_FIELDS:
+        return None
+    prefix = loaded_prefix(entry[:-PIECE_FIELDS])
+    if prefix is None or not all(is_count(value) for value in entry[-PIECE_FIELDS:]):
+        return None
+    return (*prefix, *entry[-PIECE_FIELDS:-2]), entry[-2], entry[-1]
 
 
 def key_text(key: RecordKey) -> str:

@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from resumable.core.keys import loaded_prefix
 from resumable.core.state import ENDED, KIND, UPSTREAM, VERSION, require
 from resumable.errors import StateError
 from resumable.pack._buffered import listed, saved_reserved
@@ -47,7 +46,7 @@ from resumable.pack._entries import (
     SPAN,
     STATS,
 )
-from resumable.pack._pieces import PIECE_FIELDS, is_count
+from resumable.pack._pieces import PIECE_FIELDS, reference_parts
 from resumable.pack._refs import REF_LIMIT, RefTable
 
 if TYPE_CHECKING:
@@ -123,14 +122,9 @@ def _extras(old: dict[str, Any], counts: list[int], pack: Pack, where: str) -> l
 
 def _parsed(entry: Any, where: str) -> tuple[tuple[Any, ...], int, int]:
     """``(key, start, end)`` of a piece reference ``[*component names, epoch, record, start, end]``."""
-    prefix = loaded_prefix(entry[:-PIECE_FIELDS]) if isinstance(entry, list) else None
-    if (
-        prefix is not None
-        and len(entry) >= PIECE_FIELDS
-        and all(is_count(value) and value < REF_LIMIT for value in entry[-PIECE_FIELDS:])
-        and entry[-2] < entry[-1]
-    ):
-        return (*prefix, *entry[-PIECE_FIELDS:-2]), entry[-2], entry[-1]
+    parts = reference_parts(entry)
+    if parts is not None and all(value < REF_LIMIT for value in entry[-PIECE_FIELDS:]) and parts[1] < parts[2]:
+        return parts
     raise StateError(
         f"{where}: piece reference {entry!r:.80} is not [epoch, record, token_start, token_end] of ints >= 0 "
         "with start < end (behind mix component names, after a mix, and a shard's stride, below a shard)"

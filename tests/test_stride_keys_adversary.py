@@ -737,15 +737,20 @@ def assert_only_state_errors(target: rs.Node, bad: dict[str, Any]) -> None:
         noted("loaded, then a StateError from a row")
 
 
-@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(DAMAGES, min_size=1, max_size=3))
-def test_damaged_strides_and_references_are_only_state_errors(damages: list[Callable[[dict[str, Any]], None]]) -> None:
+def assert_damaged_only_state_errors(damages: list[Callable[[dict[str, Any]], None]]) -> None:
+    """``GOOD`` with ``damages`` applied, restored into a pipeline two rows in: only StateErrors."""
     bad = copy.deepcopy(GOOD)
     for damage in damages:
         damage(bad)
     target = fuzz_pipeline()
     rows(target, 2)
     assert_only_state_errors(target, bad)
+
+
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(DAMAGES, min_size=1, max_size=3))
+def test_damaged_strides_and_references_are_only_state_errors(damages: list[Callable[[dict[str, Any]], None]]) -> None:
+    assert_damaged_only_state_errors(damages)
 
 
 @settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -773,12 +778,7 @@ def test_plausible_strides_and_shifted_positions_are_only_state_errors(
 ) -> None:
     """Damage a check can miss (another valid stride, positions or epochs a little off) loads,
     or is a StateError, never another exception."""
-    bad = copy.deepcopy(GOOD)
-    for damage in damages:
-        damage(bad)
-    target = fuzz_pipeline()
-    rows(target, 2)
-    assert_only_state_errors(target, bad)
+    assert_damaged_only_state_errors(damages)
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ import pytest
 import resumable as rs
 import resumable.torch as rst
 from resumable.torch import Loader, PipelineDataset
+from resumable.torch.dataset import CollateBatch
 
 EPOCHS = 2
 
@@ -398,7 +399,10 @@ def legacy_loader(pipeline: Any, every: int, **config: Any) -> Loader:
     """A Loader that snapshots every ``every`` batches, as the previous version did by default
     (it passed the interval to torchdata and wrote it into the state; see ``legacy_state``)."""
     loader = Loader(pipeline, **config)
-    loader.snapshot_every_n_steps = every  # read by torchdata when it builds the next iterator
+    # read by torchdata when it builds the next iterator; workers that hand over plain batches
+    loader.snapshot_every_n_steps, loader.dataset.ships_states = every, False
+    if isinstance(loader.collate_fn, CollateBatch):
+        loader.collate_fn = loader.collate_fn.collate_fn
     return loader
 
 

@@ -144,3 +144,57 @@ def test_a_packer_with_a_state_at_every_batch_resumes_exactly_and_saves_the_same
         with Loader(build_packed, num_workers=workers) as resumed:
             resumed.load_state_dict(state)
             assert packed_steps(resumed) == expected[stop:]
+
+
+def without_seed(state: dict[str, Any]) -> dict[str, Any]:
+    """A torchdata state without its per-iterator random ``_base_seed`` (the pipelines here use none)."""
+    state = json.loads(json.dumps(state))
+    del state["_snapshot"]["_main_snapshot"]["_base_seed"]
+    return state
+
+
+def uneven(records: int) -> rs.Node:
+    return rs.from_list(list(range(records))).shuffle(5).shard().map(lambda x: x * 2).batch(3)
+
+
+def double_batch(batch: list[int]) -> list[int]:
+    """A collate_fn, applied to each batch in the workers."""
+    return [2 * x for x in batch]
+
+
+@pytest.mark.parametrize(
+    "workers, persistent, records",
+    [(1, True, 20), (2, False, 37), (2, True, 37), (3, False, 2)],
+    ids=["1-persistent", "2", "2-persistent", "3-one-empty"],
+)
+def test_the_states_that_ride_with_the_batches_are_torchdata_s_own_snapshots(
+    workers: int, persistent: bool, records: int
+) -> None:
+    """The Loader's workers hand each batch over with its state instead of torchdata's
+    per-batch snapshot traffic; its state is still what a StatefulDataLoader snapshotting every
+    batch holds, after every batch, as workers run out at different points, at the end of a
+    pass and in the next one."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from resumable.torch import PipelineDataset
+
+    build = functools.partial(uneven, records)
+    config = {"num_workers": workers, "persistent_workers": persistent, "prefetch_factor": 2}
+    config["collate_fn"] = double_batch
+    reference = StatefulDataLoader(PipelineDataset(build), batch_size=None, snapshot_every_n_steps=1, **config)
+    ours = Loader(build, **config)
+    for epoch in range(2):
+        reference.dataset.set_epoch(epoch)
+        theirs, mine = iter(reference), iter(ours)
+        assert without_seed(ours.state_dict()["loader"]) == without_seed(reference.state_dict())
+        handed_out = 0
+        for expected in theirs:
+            batch = [int(x) for x in next(mine)]
+            assert batch == [int(x) for x in expected] and all(x % 4 == 0 for x in batch)  # collate_fn applied
+            handed_out += 1
+            assert without_seed(ours.state_dict()["loader"]) == without_seed(reference.state_dict()), handed_out
+        with pytest.raises(StopIteration):
+            next(mine)
+        assert without_seed(ours.state_dict()["loader"]) == without_seed(reference.state_dict())
+        assert handed_out >= records // 3
+    ours.close()

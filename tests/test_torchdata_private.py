@@ -19,14 +19,30 @@ from resumable.torch import _torchdata
 @pytest.mark.parametrize(
     "cls, name", [(cls, name) for cls, names in _torchdata.PRIVATE_NAMES.items() for name in names]
 )
-def test_every_private_name_still_exists(cls: type, name: str) -> None:
-    if name.startswith("_num") or name.startswith("_sampler"):  # instance attributes set by __init__
-        iterator = iter(StatefulDataLoader(torch.utils.data.TensorDataset(torch.arange(4))))
-        assert isinstance(iterator, cls) and isinstance(getattr(iterator, name, None), int), (
-            f"torchdata's {cls.__name__} no longer counts {name}"
-        )
-    else:
-        assert callable(getattr(cls, name, None)), f"torchdata's {cls.__name__} has no method {name}"
+def test_every_private_method_still_exists(cls: type, name: str) -> None:
+    assert callable(getattr(cls, name, None)), f"torchdata's {cls.__name__} has no method {name}"
+
+
+SNAPSHOT_ENTRIES = ("_SNAPSHOT", "_SNAPSHOT_STEP", "_LAST_YIELDED_WORKER_ID", "_MAIN_SNAPSHOT", "_WORKER_SNAPSHOTS")
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_every_private_attribute_still_exists(workers: int) -> None:
+    loader = StatefulDataLoader(torch.utils.data.TensorDataset(torch.arange(4)), num_workers=workers)
+    iterator = iter(loader)
+    try:
+        for cls, names in _torchdata.PRIVATE_ATTRIBUTES.items():
+            if isinstance(iterator, cls):
+                for name in names:
+                    assert hasattr(iterator, name), f"torchdata's {cls.__name__} no longer sets {name}"
+        if workers:
+            for name in (*SNAPSHOT_ENTRIES, "_STEPS_SINCE_SNAPSHOT"):
+                assert isinstance(getattr(iterator, name, None), str), f"torchdata's iterator has no {name}"
+            state = iterator.state_dict()
+            assert set(state) == {iterator._SNAPSHOT, iterator._STEPS_SINCE_SNAPSHOT, "_iterator_finished"}
+            assert set(state[iterator._SNAPSHOT]) == {getattr(iterator, name) for name in SNAPSHOT_ENTRIES[1:]}
+    finally:
+        del iterator
 
 
 def test_the_dataloader_hooks_and_iterator_constructors_keep_their_shape() -> None:

@@ -11,12 +11,14 @@ torchdata fails there, loudly, rather than deep inside a training job.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple, cast
 
 from torchdata.stateful_dataloader import Stateful
+from torchdata.stateful_dataloader.incremental_state import _DATASET_ITER_STATE, _FETCHER_ENDED, _FETCHER_STATE
 from torchdata.stateful_dataloader.stateful_dataloader import (
     _INDEX_SAMPLER_STATE,
     _ITERABLEDATASET_LEN_CALLED,
+    _ITERATOR_FINISHED,
     _SAMPLER_ITER_STATE,
     _SAMPLER_ITER_YIELDED,
     _SHARED_SEED,
@@ -27,13 +29,31 @@ from torchdata.stateful_dataloader.stateful_dataloader import (
 
 from resumable.errors import StateError
 from resumable.loader_state import MAX_COUNT
+from resumable.torch.dataset import BatchWithState
+
+NEVER = 2**63
+"""The snapshot interval the Loader gives torchdata: past any count a state holds
+(``MAX_COUNT``), so torchdata never asks its workers for a snapshot; the states ride along
+with the batches instead (``_MultiProcessIterator``)."""
 
 PRIVATE_NAMES = {
-    _StatefulBaseDataLoaderIter: ("_num_yielded", "_sampler_iter_yielded", "_next_index", "__next__"),
-    _StatefulMultiProcessingDataLoaderIter: ("_shutdown_workers", "_get_main_state"),
+    _StatefulBaseDataLoaderIter: ("_next_index", "__next__"),
+    _StatefulMultiProcessingDataLoaderIter: (
+        "_shutdown_workers",
+        "_get_main_state",
+        "_reset",
+        "_process_data",
+        "_update_worker_snapshot",
+        "_worker_key",
+    ),
 }
-"""Private attributes used here, by class (``_num_yielded`` and ``_sampler_iter_yielded`` are set
-by ``__init__``, the others are methods); the test checks them."""
+"""Private methods used here, by class; the test checks them."""
+PRIVATE_ATTRIBUTES = {
+    _StatefulBaseDataLoaderIter: ("_num_yielded", "_sampler_iter_yielded"),
+    _StatefulMultiProcessingDataLoaderIter: ("_send_idx", "_rcvd_idx", "_worker_snapshots", "_last_yielded_worker_id"),
+}
+"""Private attributes of a live iterator used here, by class (set by ``__init__``); the test
+checks them, with the snapshot's entry names (``_SNAPSHOT`` ... ``_STEPS_SINCE_SNAPSHOT``)."""
 LOADER_HOOKS = ("_iterator", "_get_iterator")
 """Private DataLoader attribute and hook ``rs.torch.Loader`` uses."""
 
@@ -62,13 +82,87 @@ class _SingleProcessIterator(_Bounded, _StatefulSingleProcessDataLoaderIter):  #
 
 
 class _MultiProcessIterator(_Bounded, _StatefulMultiProcessingDataLoaderIter):  # type: ignore[misc]  # torchdata is untyped (Any)
-    """torchdata's iterator over workers, held to ``MAX_COUNT``.
+    """torchdata's iterator over workers, held to ``MAX_COUNT``, whose state is as of the last
+    batch handed out without torchdata's per-batch snapshots.
 
-    Its main-process snapshot, taken with every batch, asks whether the sampler and the
-    sampler's iterator are ``Stateful``: a runtime ``Protocol`` check, about 10-20 us each on
-    Python 3.11, twice per batch. The answer depends only on their classes, so it is asked once
-    per class here; the entries are torchdata's (``tests/test_torchdata_private.py`` compares).
+    With a snapshot at every batch, torchdata's workers build a state dict around the
+    pipeline's, diff it against the previous one and ship the difference, and the main process
+    applies it and rebuilds every worker's state, per batch: measured, that machinery alone
+    costs a tokenising pipeline about as much as the pipeline's own state (docs/benchmarks.md).
+    Here the Loader's workers yield ``BatchWithState`` (the batch and the pipeline state right
+    after it) and torchdata's interval is ``NEVER``; this iterator keeps, as each batch is
+    handed out, what torchdata's snapshot would then hold (the step, the worker, the sampler
+    count sent with that batch's index, each worker's latest state), and builds the snapshot
+    only when ``state_dict()`` is called. The states are torchdata's own, entry for entry
+    (``tests/test_loader_every_batch.py`` compares them with a ``StatefulDataLoader`` that
+    snapshots every batch), so they load as before.
+
+    Its main-process snapshot asks whether the sampler and the sampler's iterator are
+    ``Stateful``: a runtime ``Protocol`` check, about 10-20 us each on Python 3.11. The answer
+    depends only on their classes, so it is asked once per class here; the entries are
+    torchdata's (``tests/test_torchdata_private.py`` compares).
     """
+
+    def _reset(self, loader: Any, first_iter: bool = False, prime_prefetch: bool = True) -> None:
+        # Before torchdata's reset, which sends the first indices of the pass.
+        self._sampler_counts: dict[int, int] = {}  # send index -> _sampler_iter_yielded when it was sent
+        self._shipped: dict[str, dict[str, Any]] = {}  # worker key -> state with its latest batch, while latest
+        self._as_of_batch: _AsOfBatch | None = None  # what the snapshot holds as of the last batch handed out
+        super()._reset(loader, first_iter, prime_prefetch)
+
+    def _next_index(self) -> Any:
+        index = super()._next_index()
+        self._sampler_counts[self._send_idx] = self._sampler_iter_yielded  # torchdata's main snapshot entry
+        return index
+
+    def _process_data(self, data: Any, worker_id: int, state_dict: Any) -> Any:
+        if type(data) is not BatchWithState:  # an exception from the worker (torchdata raises it)
+            return super()._process_data(data, worker_id, state_dict)
+        data, self._shipped[self._worker_key(worker_id)] = data
+        batch = super()._process_data(data, worker_id, state_dict)
+        self._as_of_batch = _AsOfBatch(
+            self._num_yielded + 1,  # torchdata counts the batch after this call
+            worker_id,
+            self._sampler_counts.pop(self._rcvd_idx - 1),
+            dict(self._shipped),
+            {},
+        )
+        return batch
+
+    def _update_worker_snapshot(self, worker_key: str, state_dict: Any) -> None:
+        """A worker's state from torchdata (its last, when its pass ends) is now its latest
+        news: a snapshot already taken keeps the worker's state as it was before."""
+        as_of_batch = self._as_of_batch
+        if state_dict is not None and as_of_batch is not None:
+            if worker_key not in as_of_batch.shipped and worker_key not in as_of_batch.kept:
+                as_of_batch.kept[worker_key] = self._worker_snapshots[worker_key].get_state()
+        self._shipped.pop(worker_key, None)
+        super()._update_worker_snapshot(worker_key, state_dict)
+
+    def state_dict(self) -> dict[str, Any]:
+        as_of_batch = self._as_of_batch
+        if as_of_batch is None:  # no batch since the pass started or was restored: torchdata's own
+            return cast("dict[str, Any]", super().state_dict())
+        workers = {}
+        for key, incremental in self._worker_snapshots.items():
+            if key in as_of_batch.kept:
+                workers[key] = as_of_batch.kept[key]
+                continue
+            worker = incremental.get_state()
+            if key in as_of_batch.shipped:
+                worker[_FETCHER_STATE] = {_FETCHER_ENDED: False, _DATASET_ITER_STATE: as_of_batch.shipped[key]}
+            workers[key] = worker
+        snapshot = {
+            self._SNAPSHOT_STEP: as_of_batch.step,
+            self._LAST_YIELDED_WORKER_ID: as_of_batch.worker_id,
+            self._MAIN_SNAPSHOT: {**self._get_main_state(), _SAMPLER_ITER_YIELDED: as_of_batch.sampler_count},
+            self._WORKER_SNAPSHOTS: workers,
+        }
+        return {
+            self._SNAPSHOT: snapshot,
+            self._STEPS_SINCE_SNAPSHOT: self._num_yielded - as_of_batch.step,
+            _ITERATOR_FINISHED: self._finished,
+        }
 
     def _get_main_state(self) -> dict[str, Any]:
         return {
@@ -80,6 +174,16 @@ class _MultiProcessIterator(_Bounded, _StatefulMultiProcessingDataLoaderIter):  
             _SHARED_SEED: self._shared_seed,
             self._BASE_SEED: self._base_seed,
         }
+
+
+class _AsOfBatch(NamedTuple):
+    """What a torchdata snapshot taken as the last batch was handed out would hold."""
+
+    step: int
+    worker_id: int
+    sampler_count: int
+    shipped: dict[str, dict[str, Any]]  # worker key -> state shipped with its latest batch
+    kept: dict[str, dict[str, Any]]  # worker key -> torchdata's worker state, kept when it changed since
 
 
 _stateful_classes: dict[type, bool] = {}

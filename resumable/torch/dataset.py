@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable, Union, cast
+from typing import Any, Callable, NamedTuple, Union, cast
 
 import orjson
-from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset, default_convert, get_worker_info
 
 from resumable.core.node import Node
 from resumable.errors import ConfigError, StateError
@@ -66,6 +66,34 @@ class WorkerIterator:
         self.epoch = epoch
 
 
+class BatchWithState(NamedTuple):
+    """What a Loader worker hands over: a batch and its iterator's state right after it
+    (``WorkerIterator.state_dict()``). The state rides along with the batch, so the Loader needs
+    none of torchdata's per-batch snapshot traffic (``resumable.torch._torchdata``)."""
+
+    batch: Any
+    state: dict[str, Any]
+
+
+class StateShippingIterator(WorkerIterator):
+    """A Loader worker's ``WorkerIterator``: each item is a ``BatchWithState``."""
+
+    def __next__(self) -> BatchWithState:
+        return BatchWithState(next(self.pipeline), self.state_dict())
+
+
+class CollateBatch:
+    """A worker's ``collate_fn`` for ``BatchWithState`` items: ``collate_fn`` (torch's
+    ``default_convert`` when None, as a DataLoader without batching applies) on the batch, the
+    state as it is. A class, so that it pickles into spawned workers."""
+
+    def __init__(self, collate_fn: Callable[[Any], Any] | None) -> None:
+        self.collate_fn: Callable[[Any], Any] = default_convert if collate_fn is None else collate_fn
+
+    def __call__(self, item: BatchWithState) -> BatchWithState:
+        return BatchWithState(self.collate_fn(item.batch), item.state)
+
+
 class PipelineDataset(IterableDataset[Any]):
     """Each DataLoader worker iterates its own copy of the pipeline, which reads a disjoint
     partition: ``.shard()`` resolves ``rank * num_workers + worker`` inside the worker.
@@ -81,7 +109,9 @@ class PipelineDataset(IterableDataset[Any]):
     object) and the main process all shuffle anew each epoch, and a Loader that goes back to
     an epoch (by loading a state) gets that epoch.
     ``iter()`` returns a ``WorkerIterator`` over the pipeline: its ``state_dict()`` is what a
-    ``StatefulDataLoader`` snapshots in each worker with every batch.
+    ``StatefulDataLoader`` snapshots in each worker. With ``ships_states`` (set by
+    ``rs.torch.Loader``), a worker's iterator yields each batch with that state instead
+    (``StateShippingIterator``).
     """
 
     def __init__(self, pipeline: PipelineOrFactory) -> None:
@@ -107,6 +137,8 @@ class PipelineDataset(IterableDataset[Any]):
         # the JSON pipeline state each worker ended it with, continued at the next iter() so
         # that .even() keeps its carry (see rs.torch.Loader).
         self.carried: dict[int, str] | None = None
+        # Set by rs.torch.Loader: workers yield BatchWithState items.
+        self.ships_states = False
 
     def _store(self) -> StoreRef | None:
         found = default_store()
@@ -149,6 +181,8 @@ class PipelineDataset(IterableDataset[Any]):
             info = get_worker_info()
             pipe.set_state(json.loads(self.rescaled[info.id if info is not None else 0]))
             self.rescaled = None  # later epochs start whole
+        if self.ships_states and get_worker_info() is not None:
+            return StateShippingIterator(pipe, epoch)
         return WorkerIterator(pipe, epoch)
 
     def __getstate__(self) -> dict[str, Any]:

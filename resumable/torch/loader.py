@@ -34,7 +34,7 @@ from resumable.ops.even import holds_even
 from resumable.order.topology import distributed_rank
 from resumable.torch import _torchdata
 from resumable.torch._worker_signals import init_worker
-from resumable.torch.dataset import PipelineDataset, PipelineOrFactory
+from resumable.torch.dataset import CollateBatch, PipelineDataset, PipelineOrFactory
 from resumable.torch.elastic import factory_of, rescale_for_rank
 
 EVERY_BATCH = 1
@@ -87,6 +87,9 @@ class Loader(StatefulDataLoader):  # type: ignore[misc]  # torchdata is untyped 
             raise ConfigError(f"Loader: num_workers must be an int >= 0, got {num_workers!r}")
         _check_snapshot_every(snapshot_every_n_steps)
         dataset = pipeline if isinstance(pipeline, PipelineDataset) else PipelineDataset(pipeline)
+        dataset.ships_states = num_workers > 0  # each batch comes with its state (_torchdata._MultiProcessIterator)
+        if num_workers:
+            collate_fn = CollateBatch(collate_fn)
         worker_init_fn = functools.partial(init_worker, worker_init_fn, ignore_others_sigterm=workers_ignore_sigterm)
         with warnings.catch_warnings():  # torchdata calls a deprecated torch function here
             warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
@@ -101,7 +104,7 @@ class Loader(StatefulDataLoader):  # type: ignore[misc]  # torchdata is untyped 
                 persistent_workers=persistent_workers,
                 multiprocessing_context=multiprocessing_context,
                 worker_init_fn=worker_init_fn,
-                snapshot_every_n_steps=EVERY_BATCH,
+                snapshot_every_n_steps=_torchdata.NEVER if num_workers else EVERY_BATCH,
             )
         self._epoch = 0  # the epoch of the current pass, or of the next one before any
         self._next_iter_advances = False  # whether the next iter() starts epoch _epoch + 1

@@ -5,7 +5,14 @@ Two pipelines over the same JSONL corpus:
 
 - ``tokens``: JSONL -> shuffle -> shard -> map(byte tokenise, cut to 512) -> batch(8);
 - ``packed``: JSONL -> shuffle -> shard -> map(byte tokenise) -> pack(2048, best_fit,
-  buffer_size=1000) -> batch(8), whose state holds a 1000-document buffer's references.
+  buffer_size=1000) -> batch(8), whose state holds a 1000-document buffer's references;
+- ``bpe``: ``packed`` with a real tokenizer, the byte-level BPE of ``bench_tokenize.py``
+  (``tokenizers``, from the ``bench`` extra; trained on its 20 MB corpus, cached): the work of
+  a training job's loader, tens of milliseconds per batch, against which the state's fixed cost
+  per batch is measured.
+
+``tokens`` and ``packed`` cost 0.2-1 ms of work per batch, so they show the loader's own cost
+per batch as large as it gets.
 
 The baseline is a plain ``torch.utils.data.DataLoader`` over a plain ``IterableDataset`` of the
 same pipeline, whose state is never taken. The Loader hands a state out with every batch and
@@ -23,8 +30,10 @@ in CPU seconds of the process (a loaded machine's preemptions do not count); the
 plain copy's seconds / the other's, the best a Loader can reach when its workers are the
 bottleneck.
 
-    python bench/bench_loader.py [--batches 400] [--workers 2 4] [--runs 5] [--pipelines tokens packed]
-    python bench/bench_loader.py --in-process [--batches 400] [--runs 5] [--pipelines tokens packed]
+    python bench/bench_loader.py [--batches N] [--workers 2 4] [--runs 5] [--pipelines tokens packed bpe]
+    python bench/bench_loader.py --in-process [--batches N] [--runs 5] [--pipelines tokens packed bpe]
+
+``--batches`` defaults to 400 per run (``bpe``: 60).
 """
 
 from __future__ import annotations
@@ -91,7 +100,26 @@ def build_packed() -> rs.Node:
     )
 
 
-PIPELINES: dict[str, Callable[[], rs.Node]] = {"tokens": build_tokens, "packed": build_packed}
+def build_bpe() -> rs.Node:
+    from bench.bench_tokenize import Tokenize, corpus, trained_tokenizer  # the bench extra's tokenizers
+
+    return (
+        rs.jsonl(DATA)
+        .shuffle(seed=0)
+        .shard()
+        .repeat()
+        .map(Tokenize(trained_tokenizer(corpus(BPE_CORPUS_MB, BPE_CORPUS_FILES))))
+        .pack(SEQ_LEN, strategy="best_fit", buffer_size=1000)
+        .batch(BATCH, collate_fn=collate_rows)
+    )
+
+
+BPE_CORPUS_MB, BPE_CORPUS_FILES = 20, 8
+"""The corpus ``bench_tokenize.py`` trains its BPE on (the tokenizer is read from its cache)."""
+
+PIPELINES: dict[str, Callable[[], rs.Node]] = {"tokens": build_tokens, "packed": build_packed, "bpe": build_bpe}
+DEFAULT_BATCHES = {"tokens": 400, "packed": 400, "bpe": 60}
+"""Batches per run: a ``bpe`` batch takes about 40 ms of tokenising per worker."""
 
 
 class PlainDataset(IterableDataset):  # type: ignore[type-arg]  # torch's generic dataset, over plain dicts
@@ -194,14 +222,20 @@ def worker_cost(build: Callable[[], rs.Node], batches: int, runs: int) -> dict[s
     }
 
 
+def batches_label(args: argparse.Namespace) -> str:
+    if args.batches:
+        return f"{args.batches} batches"
+    return ", ".join(f"{DEFAULT_BATCHES[name]} batches ({name})" for name in args.pipelines)
+
+
 def main_in_process(args: argparse.Namespace) -> None:
     print(
-        f"in one process: {args.batches} batches of {BATCH} rows per run, {args.runs} runs, medians; "
+        f"in one process: {batches_label(args)} of {BATCH} rows per run, {args.runs} runs, medians; "
         "a plain copy and a copy taking a worker's state after every batch, in lockstep"
     )
     print(f"{'pipeline':<10}{'plain ms/b':>12}{'state ms/b':>12}{'ratio':>8}{'(min-max)':>14}")
     for name in args.pipelines:
-        row = worker_cost(PIPELINES[name], args.batches, args.runs)
+        row = worker_cost(PIPELINES[name], args.batches or DEFAULT_BATCHES[name], args.runs)
         spread = f"{row['ratio_min']:.3f}-{row['ratio_max']:.3f}"
         print(
             f"{name:<10}{1e3 * row['plain']:>12.3f}{1e3 * row['stated']:>12.3f}{row['ratio']:>8.3f}{spread:>14}",
@@ -211,7 +245,7 @@ def main_in_process(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batches", type=int, default=400)
+    parser.add_argument("--batches", type=int, default=None, help="per run (default: 400; bpe: 60)")
     parser.add_argument("--workers", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--pipelines", nargs="+", choices=sorted(PIPELINES), default=["tokens", "packed"])
@@ -225,7 +259,7 @@ def main() -> None:
         return
 
     print(
-        f"{args.batches} batches of {BATCH} rows per run, {args.runs} alternating runs, medians; "
+        f"{batches_label(args)} of {BATCH} rows per run, {args.runs} alternating runs, medians; "
         "Loader: a state with every batch and state_dict() after every step"
     )
     print(
@@ -234,7 +268,7 @@ def main() -> None:
     )
     for name in args.pipelines:
         for workers in args.workers:
-            row = compare(PIPELINES[name], workers, args.batches, args.runs)
+            row = compare(PIPELINES[name], workers, args.batches or DEFAULT_BATCHES[name], args.runs)
             spread = f"{row['ratio_min']:.2f}-{row['ratio_max']:.2f}"
             print(
                 f"{name:<10}{workers:>8}{row['plain']:>11.1f}{row['loader']:>12.1f}{row['ratio']:>8.3f}"

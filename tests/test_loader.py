@@ -13,6 +13,7 @@ import pytest
 import resumable as rs
 import resumable.torch as rst
 from resumable.torch import Loader, PipelineDataset
+from resumable.torch._worker_signals import init_worker
 from resumable.torch.dataset import CollateBatch
 
 EPOCHS = 2
@@ -399,8 +400,9 @@ def legacy_loader(pipeline: Any, every: int, **config: Any) -> Loader:
     """A Loader that snapshots every ``every`` batches, as the previous version did by default
     (it passed the interval to torchdata and wrote it into the state; see ``legacy_state``)."""
     loader = Loader(pipeline, **config)
-    # read by torchdata when it builds the next iterator; workers that hand over plain batches
-    loader.snapshot_every_n_steps, loader.dataset.ships_states = every, False
+    loader.snapshot_every_n_steps = every  # read by torchdata when it builds the next iterator
+    # workers that hand over plain batches, whose states travel in torchdata's snapshots
+    loader.worker_init_fn = functools.partial(init_worker, None, ignore_others_sigterm=True)
     if isinstance(loader.collate_fn, CollateBatch):
         loader.collate_fn = loader.collate_fn.collate_fn
     return loader

@@ -198,3 +198,18 @@ def test_the_states_that_ride_with_the_batches_are_torchdata_s_own_snapshots(
         assert without_seed(ours.state_dict()["loader"]) == without_seed(reference.state_dict())
         assert handed_out >= records // 3
     ours.close()
+
+
+def test_only_the_loader_s_own_workers_hand_states_over_with_their_batches() -> None:
+    """The same PipelineDataset object, given to a Loader and then to a plain DataLoader:
+    the plain one's workers, which the Loader's worker_init_fn never ran in, yield plain batches."""
+    from torch.utils.data import DataLoader
+
+    from resumable.torch import PipelineDataset
+
+    dataset = PipelineDataset(functools.partial(uneven, 12))
+    with Loader(dataset, num_workers=2) as loader:
+        through_loader = sorted(int(x) for batch in loader for x in batch)
+    plain = [batch for batch in DataLoader(dataset, batch_size=None, num_workers=2)]
+    assert all(type(batch).__name__ != "BatchWithState" for batch in plain)
+    assert sorted(int(x) for batch in plain for x in batch) == through_loader == [2 * x for x in range(12)]

@@ -30,8 +30,8 @@ def encode_state(state: dict[str, Any]) -> str:
 
 class WorkerIterator:
     """What ``iter(PipelineDataset)`` returns: the pipeline, whose state it reports as one
-    JSON string. StatefulDataLoader diffs, copies and ships a worker's state with every
-    batch; a string leaf makes that O(1) however large the state (packer references).
+    JSON string, so that copying or shipping it is O(1) however large the state (packer
+    references).
 
     The state also names the epoch this pass started (``epoch``), so that a Loader state
     can check that every worker's pipeline state belongs to the epoch the Loader records."""
@@ -75,6 +75,19 @@ class BatchWithState(NamedTuple):
     state: dict[str, Any]
 
 
+_ships_states = False
+"""Whether this process is a ``rs.torch.Loader`` worker, whose ``PipelineDataset`` iterators
+yield ``BatchWithState`` (set by ``ship_states_from_this_worker``)."""
+
+
+def ship_states_from_this_worker() -> None:
+    """Make this DataLoader worker's ``PipelineDataset`` iterators yield ``BatchWithState``:
+    called by the Loader's ``worker_init_fn``, so that a plain DataLoader over the same
+    dataset, whose workers do not call it, still gets plain batches."""
+    global _ships_states
+    _ships_states = True
+
+
 class StateShippingIterator(WorkerIterator):
     """A Loader worker's ``WorkerIterator``: each item is a ``BatchWithState``."""
 
@@ -109,8 +122,8 @@ class PipelineDataset(IterableDataset[Any]):
     object) and the main process all shuffle anew each epoch, and a Loader that goes back to
     an epoch (by loading a state) gets that epoch.
     ``iter()`` returns a ``WorkerIterator`` over the pipeline: its ``state_dict()`` is what a
-    ``StatefulDataLoader`` snapshots in each worker. With ``ships_states`` (set by
-    ``rs.torch.Loader``), a worker's iterator yields each batch with that state instead
+    ``StatefulDataLoader`` snapshots in each worker. In a ``rs.torch.Loader``'s workers
+    (``ship_states_from_this_worker``), the iterator yields each batch with that state instead
     (``StateShippingIterator``).
     """
 
@@ -137,8 +150,6 @@ class PipelineDataset(IterableDataset[Any]):
         # the JSON pipeline state each worker ended it with, continued at the next iter() so
         # that .even() keeps its carry (see rs.torch.Loader).
         self.carried: dict[int, str] | None = None
-        # Set by rs.torch.Loader: workers yield BatchWithState items.
-        self.ships_states = False
 
     def _store(self) -> StoreRef | None:
         found = default_store()
@@ -181,7 +192,7 @@ class PipelineDataset(IterableDataset[Any]):
             info = get_worker_info()
             pipe.set_state(json.loads(self.rescaled[info.id if info is not None else 0]))
             self.rescaled = None  # later epochs start whole
-        if self.ships_states and get_worker_info() is not None:
+        if _ships_states and get_worker_info() is not None:
             return StateShippingIterator(pipe, epoch)
         return WorkerIterator(pipe, epoch)
 

@@ -34,12 +34,12 @@ from resumable.ops.even import holds_even
 from resumable.order.topology import distributed_rank
 from resumable.torch import _torchdata
 from resumable.torch._worker_signals import init_worker
-from resumable.torch.dataset import CollateBatch, PipelineDataset, PipelineOrFactory
+from resumable.torch.dataset import CollateBatch, PipelineDataset, PipelineOrFactory, ship_states_from_this_worker
 from resumable.torch.elastic import factory_of, rescale_for_rank
 
 EVERY_BATCH = 1
-"""Workers hand their pipeline state over with every batch: measured at the plain DataLoader's
-speed (docs/benchmarks.md), so a restore never replays batches and the state is exact at once."""
+"""The snapshot interval states record: workers hand their pipeline state over with every
+batch, so a restore never replays batches and the state is exact at once."""
 
 
 class Loader(StatefulDataLoader):  # type: ignore[misc]  # torchdata is untyped (Any)
@@ -49,13 +49,13 @@ class Loader(StatefulDataLoader):  # type: ignore[misc]  # torchdata is untyped 
     ``state_dict()`` holds, for every worker, the pipeline state as of the last batch *handed
     to you*: batches prefetched by workers but not yet consumed are produced again after a
     restore. The state is plain JSON data, in which each worker's pipeline state is one JSON
-    string: StatefulDataLoader diffs and copies worker states with every batch, and a string
-    makes that cost nothing (``python -m resumable inspect`` decodes them). Each ``iter()``
+    string (``python -m resumable inspect`` decodes them). Each ``iter()``
     that does not follow a ``load_state_dict`` starts a new epoch (a new shuffle order in every
     worker); after loading a state taken once an epoch had ended, ``iter()`` starts the next.
 
-    Workers send their pipeline state with every batch, so the state is exact as it is: a
-    restore replays nothing, and ``python -m resumable inspect`` shows every worker's position as
+    Workers send their pipeline state with every batch, riding with the batch rather than in
+    torchdata's snapshots (``_torchdata._MultiProcessIterator``), so the state is exact as it
+    is: a restore replays nothing, and ``python -m resumable inspect`` shows every worker's position as
     of the last batch. ``snapshot_every_n_steps`` is deprecated: 1 is accepted, any other count
     warns (``FutureWarning``) and is ignored.
 
@@ -87,10 +87,9 @@ class Loader(StatefulDataLoader):  # type: ignore[misc]  # torchdata is untyped 
             raise ConfigError(f"Loader: num_workers must be an int >= 0, got {num_workers!r}")
         _check_snapshot_every(snapshot_every_n_steps)
         dataset = pipeline if isinstance(pipeline, PipelineDataset) else PipelineDataset(pipeline)
-        dataset.ships_states = num_workers > 0  # each batch comes with its state (_torchdata._MultiProcessIterator)
-        if num_workers:
+        if num_workers:  # each batch comes with its state (_torchdata._MultiProcessIterator)
             collate_fn = CollateBatch(collate_fn)
-        worker_init_fn = functools.partial(init_worker, worker_init_fn, ignore_others_sigterm=workers_ignore_sigterm)
+        worker_init_fn = functools.partial(_start_worker, worker_init_fn, ignore_others_sigterm=workers_ignore_sigterm)
         with warnings.catch_warnings():  # torchdata calls a deprecated torch function here
             warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
             super().__init__(
@@ -288,6 +287,13 @@ class Loader(StatefulDataLoader):  # type: ignore[misc]  # torchdata is untyped 
         self.next_iter_state = resume
         self.dataset.rescaled = rescaled
         self._epoch, self._next_iter_advances, self._loaded = epoch, next_iter_advances, loaded
+
+
+def _start_worker(user_init: Callable[[int], None] | None, worker_id: int, *, ignore_others_sigterm: bool) -> None:
+    """``worker_init_fn`` of ``Loader``: the worker hands each batch over with its pipeline's
+    state, is tied to its trainer (``init_worker``), then runs the user's own."""
+    ship_states_from_this_worker()
+    init_worker(user_init, worker_id, ignore_others_sigterm=ignore_others_sigterm)
 
 
 def _check_snapshot_every(every: Any) -> None:

@@ -436,12 +436,6 @@ def mapping_with_inner() -> rs.Node:
     return rs.from_list(list(range(4))).shard().map(with_inner_item)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="8ebfeaf switches a whole worker process to BatchWithState (a module flag), so any "
-    "PipelineDataset iterated inside a Loader worker yields BatchWithState (fix: see the report)",
-)
 def test_a_pipeline_dataset_iterated_inside_a_loader_worker_gives_its_own_items() -> None:
     """A map that iterates another ``PipelineDataset`` in-process gets that pipeline's items in
     a Loader's workers as it does without workers."""
@@ -461,19 +455,12 @@ def add_one(batch: list[int]) -> list[int]:
     return [x + 1 for x in batch]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=(AttributeError, TypeError),
-    reason="since d0d8ad7 the Loader's workers ship states only with its own worker_init_fn and "
-    "collate wrapper: replacing either on a built Loader breaks it deep in a worker (AttributeError, "
-    "or the user's collate_fn gets BatchWithState) instead of working or a clear ConfigError",
-)
 @pytest.mark.parametrize("attribute", ["worker_init_fn", "collate_fn"])
 def test_replacing_a_hook_on_a_built_loader_works_or_is_a_clear_config_error(attribute: str) -> None:
     """DataLoader lets ``worker_init_fn`` and ``collate_fn`` be set after construction (some
-    frameworks set ``worker_init_fn``); before d0d8ad7 the Loader then still iterated. Now it
-    must either give the right batches (and exact states) or refuse with a ``ConfigError``
-    that names the Loader and says to pass the hook to its constructor."""
+    frameworks set ``worker_init_fn``): the Loader must either give the right batches (and
+    exact states) or refuse with a ``ConfigError`` that names the Loader and says to pass the
+    hook to its constructor."""
     loader = Loader(numbers, num_workers=WORKERS)
     setattr(loader, attribute, user_init if attribute == "worker_init_fn" else add_one)
     shift = 1 if attribute == "collate_fn" else 0

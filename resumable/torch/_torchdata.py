@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, cast
 
+from torch._utils import ExceptionWrapper
 from torchdata.stateful_dataloader import Stateful
 from torchdata.stateful_dataloader.incremental_state import _DATASET_ITER_STATE, _FETCHER_ENDED, _FETCHER_STATE
 from torchdata.stateful_dataloader.stateful_dataloader import (
@@ -27,7 +28,7 @@ from torchdata.stateful_dataloader.stateful_dataloader import (
     _StatefulSingleProcessDataLoaderIter,
 )
 
-from resumable.errors import StateError
+from resumable.errors import ConfigError, StateError
 from resumable.loader_state import MAX_COUNT
 from resumable.torch.dataset import BatchWithState
 
@@ -116,8 +117,14 @@ class _MultiProcessIterator(_Bounded, _StatefulMultiProcessingDataLoaderIter):  
         return index
 
     def _process_data(self, data: Any, worker_id: int, state_dict: Any) -> Any:
-        if type(data) is not BatchWithState:  # an exception from the worker (torchdata raises it)
-            return super()._process_data(data, worker_id, state_dict)
+        if type(data) is not BatchWithState:
+            # an exception from the worker (torchdata raises it), or a state in torchdata's snapshots
+            if isinstance(data, ExceptionWrapper) or self._snapshot_interval != NEVER:
+                return super()._process_data(data, worker_id, state_dict)
+            raise ConfigError(
+                "Loader: a worker handed a batch over without its state: its collate_fn was replaced after "
+                "construction; pass collate_fn=... to rs.torch.Loader instead"
+            )
         data, self._shipped[self._worker_key(worker_id)] = data
         batch = super()._process_data(data, worker_id, state_dict)
         self._as_of_batch = _AsOfBatch(

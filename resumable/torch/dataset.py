@@ -75,36 +75,20 @@ class BatchWithState(NamedTuple):
     state: dict[str, Any]
 
 
-_ships_states = False
-"""Whether this process is a ``rs.torch.Loader`` worker, whose ``PipelineDataset`` iterators
-yield ``BatchWithState`` (set by ``ship_states_from_this_worker``)."""
-
-
-def ship_states_from_this_worker() -> None:
-    """Make this DataLoader worker's ``PipelineDataset`` iterators yield ``BatchWithState``:
-    called by the Loader's ``worker_init_fn``, so that a plain DataLoader over the same
-    dataset, whose workers do not call it, still gets plain batches."""
-    global _ships_states
-    _ships_states = True
-
-
-class StateShippingIterator(WorkerIterator):
-    """A Loader worker's ``WorkerIterator``: each item is a ``BatchWithState``."""
-
-    def __next__(self) -> BatchWithState:
-        return BatchWithState(next(self.pipeline), self.state_dict())
-
-
 class CollateBatch:
-    """A worker's ``collate_fn`` for ``BatchWithState`` items: ``collate_fn`` (torch's
-    ``default_convert`` when None, as a DataLoader without batching applies) on the batch, the
-    state as it is. A class, so that it pickles into spawned workers."""
+    """A Loader worker's ``collate_fn``: ``collate_fn`` (torch's ``default_convert`` when None,
+    as a DataLoader without batching applies) on the batch, and the state of the worker's
+    pipeline right after it, as one ``BatchWithState``. torch's fetcher calls it in the worker
+    right after taking the batch from the dataset's iterator, so that is the state as of this
+    batch. Only the Loader installs it, so a plain DataLoader over the same ``PipelineDataset``
+    gets plain batches. A class, so that it pickles into spawned workers."""
 
     def __init__(self, collate_fn: Callable[[Any], Any] | None) -> None:
         self.collate_fn: Callable[[Any], Any] = default_convert if collate_fn is None else collate_fn
 
-    def __call__(self, item: BatchWithState) -> BatchWithState:
-        return BatchWithState(self.collate_fn(item.batch), item.state)
+    def __call__(self, batch: Any) -> BatchWithState:
+        dataset: PipelineDataset = cast("Any", get_worker_info()).dataset  # only ever set in workers
+        return BatchWithState(self.collate_fn(batch), cast("WorkerIterator", dataset.iterator).state_dict())
 
 
 class PipelineDataset(IterableDataset[Any]):
@@ -122,9 +106,8 @@ class PipelineDataset(IterableDataset[Any]):
     object) and the main process all shuffle anew each epoch, and a Loader that goes back to
     an epoch (by loading a state) gets that epoch.
     ``iter()`` returns a ``WorkerIterator`` over the pipeline: its ``state_dict()`` is what a
-    ``StatefulDataLoader`` snapshots in each worker. In a ``rs.torch.Loader``'s workers
-    (``ship_states_from_this_worker``), the iterator yields each batch with that state instead
-    (``StateShippingIterator``).
+    ``StatefulDataLoader`` snapshots in each worker, and what a ``rs.torch.Loader``'s workers
+    hand over with each batch (``CollateBatch``).
     """
 
     def __init__(self, pipeline: PipelineOrFactory) -> None:
@@ -150,6 +133,8 @@ class PipelineDataset(IterableDataset[Any]):
         # the JSON pipeline state each worker ended it with, continued at the next iter() so
         # that .even() keeps its carry (see rs.torch.Loader).
         self.carried: dict[int, str] | None = None
+        # This process's latest iterator: the Loader's collate wrapper ships its state.
+        self.iterator: WorkerIterator | None = None
 
     def _store(self) -> StoreRef | None:
         found = default_store()
@@ -192,12 +177,12 @@ class PipelineDataset(IterableDataset[Any]):
             info = get_worker_info()
             pipe.set_state(json.loads(self.rescaled[info.id if info is not None else 0]))
             self.rescaled = None  # later epochs start whole
-        if _ships_states and get_worker_info() is not None:
-            return StateShippingIterator(pipe, epoch)
-        return WorkerIterator(pipe, epoch)
+        self.iterator = WorkerIterator(pipe, epoch)
+        return self.iterator
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         if self._factory is not None:
             state["_pipeline"] = None  # each process builds its own
+        state["iterator"] = None
         return state

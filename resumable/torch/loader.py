@@ -34,7 +34,7 @@ from resumable.ops.even import holds_even
 from resumable.order.topology import distributed_rank
 from resumable.torch import _torchdata
 from resumable.torch._worker_signals import init_worker
-from resumable.torch.dataset import CollateBatch, PipelineDataset, PipelineOrFactory, ship_states_from_this_worker
+from resumable.torch.dataset import CollateBatch, PipelineDataset, PipelineOrFactory
 from resumable.torch.elastic import factory_of, rescale_for_rank
 
 EVERY_BATCH = 1
@@ -89,7 +89,7 @@ class Loader(StatefulDataLoader):  # type: ignore[misc]  # torchdata is untyped 
         dataset = pipeline if isinstance(pipeline, PipelineDataset) else PipelineDataset(pipeline)
         if num_workers:  # each batch comes with its state (_torchdata._MultiProcessIterator)
             collate_fn = CollateBatch(collate_fn)
-        worker_init_fn = functools.partial(_start_worker, worker_init_fn, ignore_others_sigterm=workers_ignore_sigterm)
+        worker_init_fn = functools.partial(init_worker, worker_init_fn, ignore_others_sigterm=workers_ignore_sigterm)
         with warnings.catch_warnings():  # torchdata calls a deprecated torch function here
             warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
             super().__init__(
@@ -287,13 +287,6 @@ class Loader(StatefulDataLoader):  # type: ignore[misc]  # torchdata is untyped 
         self.next_iter_state = resume
         self.dataset.rescaled = rescaled
         self._epoch, self._next_iter_advances, self._loaded = epoch, next_iter_advances, loaded
-
-
-def _start_worker(user_init: Callable[[int], None] | None, worker_id: int, *, ignore_others_sigterm: bool) -> None:
-    """``worker_init_fn`` of ``Loader``: the worker hands each batch over with its pipeline's
-    state, is tied to its trainer (``init_worker``), then runs the user's own."""
-    ship_states_from_this_worker()
-    init_worker(user_init, worker_id, ignore_others_sigterm=ignore_others_sigterm)
 
 
 def _check_snapshot_every(every: Any) -> None:

@@ -8,7 +8,7 @@ Two pipelines over the same JSONL corpus:
   buffer_size=1000) -> batch(8), whose state holds a 1000-document buffer's references;
 - ``bpe``: ``packed`` with a real tokenizer, the byte-level BPE of ``bench_tokenize.py``
   (``tokenizers``, from the ``bench`` extra; trained on its 20 MB corpus, cached): the work of
-  a training job's loader, tens of milliseconds per batch, against which the state's fixed cost
+  a training job's loader, about 20 ms per batch on average, against which the state's fixed cost
   per batch is measured.
 
 ``tokens`` and ``packed`` cost 0.2-1 ms of work per batch, so they show the loader's own cost
@@ -19,8 +19,9 @@ same pipeline, whose state is never taken. The Loader hands a state out with eve
 the loop calls ``state_dict()`` after every step. For each worker count the two loops
 alternate (which one goes first alternates too), ``--runs`` times; the ratio of each run is
 plain seconds / Loader seconds, and the table gives the medians. The CPU ratio divides the CPU
-seconds of the whole loop (this process and its workers, from building the loader to joining
-them): the cost of the state, which preemptions by other jobs do not inflate.
+seconds of the timed batches (this process and its workers, read from ``/proc``; start-up
+excluded, as from the wall time): the cost of the state per batch, which preemptions by other
+jobs do not inflate.
 
 ``--in-process`` measures instead what a worker adds per batch, in one process, which a loaded
 machine disturbs far less than the end-to-end loops: two copies of the pipeline advance in
@@ -32,15 +33,17 @@ bottleneck.
 
     python bench/bench_loader.py [--batches N] [--workers 2 4] [--runs 5] [--pipelines tokens packed bpe]
     python bench/bench_loader.py --in-process [--batches N] [--runs 5] [--pipelines tokens packed bpe]
+    PYTHONPATH=<dir> python bench/bench_loader.py --baseline resumable_before ...   # another version too
 
-``--batches`` defaults to 400 per run (``bpe``: 60).
+``--batches`` defaults to 1500 per run for ``tokens``, 400 for ``packed``, 500 for ``bpe``.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib
 import os
-import resource
 import statistics
 import sys
 import time
@@ -55,7 +58,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import resumable as rs  # noqa: E402
 import resumable.torch as rst  # noqa: E402
 from bench.corpus import make_jsonl_corpus  # noqa: E402
-from resumable.pack import collate_rows  # noqa: E402
 from resumable.torch.dataset import WorkerIterator  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "corpus-100mb.jsonl")
@@ -84,33 +86,34 @@ def stack(rows: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     return {"input_ids": np.stack([row["input_ids"] for row in rows])}
 
 
-def build_tokens() -> rs.Node:
-    return rs.jsonl(DATA).shuffle(seed=0).shard().repeat().map(tokenize_fixed).batch(BATCH, collate_fn=stack)
+def build_tokens(package: Any = rs) -> rs.Node:
+    """``package``: ``resumable``, or the copy a ``--baseline`` names."""
+    return package.jsonl(DATA).shuffle(seed=0).shard().repeat().map(tokenize_fixed).batch(BATCH, collate_fn=stack)
 
 
-def build_packed() -> rs.Node:
+def build_packed(package: Any = rs) -> rs.Node:
     return (
-        rs.jsonl(DATA)
+        package.jsonl(DATA)
         .shuffle(seed=0)
         .shard()
         .repeat()
         .map(tokenize)
         .pack(SEQ_LEN, strategy="best_fit", buffer_size=1000)
-        .batch(BATCH, collate_fn=collate_rows)
+        .batch(BATCH, collate_fn=package.pack.collate_rows)
     )
 
 
-def build_bpe() -> rs.Node:
+def build_bpe(package: Any = rs) -> rs.Node:
     from bench.bench_tokenize import Tokenize, corpus, trained_tokenizer  # the bench extra's tokenizers
 
     return (
-        rs.jsonl(DATA)
+        package.jsonl(DATA)
         .shuffle(seed=0)
         .shard()
         .repeat()
         .map(Tokenize(trained_tokenizer(corpus(BPE_CORPUS_MB, BPE_CORPUS_FILES))))
         .pack(SEQ_LEN, strategy="best_fit", buffer_size=1000)
-        .batch(BATCH, collate_fn=collate_rows)
+        .batch(BATCH, collate_fn=package.pack.collate_rows)
     )
 
 
@@ -118,8 +121,10 @@ BPE_CORPUS_MB, BPE_CORPUS_FILES = 20, 8
 """The corpus ``bench_tokenize.py`` trains its BPE on (the tokenizer is read from its cache)."""
 
 PIPELINES: dict[str, Callable[[], rs.Node]] = {"tokens": build_tokens, "packed": build_packed, "bpe": build_bpe}
-DEFAULT_BATCHES = {"tokens": 400, "packed": 400, "bpe": 60}
-"""Batches per run: a ``bpe`` batch takes about 40 ms of tokenising per worker."""
+DEFAULT_BATCHES = {"tokens": 1500, "packed": 400, "bpe": 500}
+"""Batches per run: about 1.5 s of work with 2 workers; ``bpe`` batches take about 20 ms of
+tokenising on average, in bursts (the packer takes a few hundred documents at a time), so its
+runs are long enough to hold several."""
 
 
 class PlainDataset(IterableDataset):  # type: ignore[type-arg]  # torch's generic dataset, over plain dicts
@@ -132,11 +137,24 @@ class PlainDataset(IterableDataset):  # type: ignore[type-arg]  # torch's generi
         return iter(self.build())
 
 
-def time_loop(loader: Any, batches: int, take_state: bool) -> tuple[float, float]:
-    """Seconds for ``batches`` batches after a warm-up batch, and seconds spent in state_dict()."""
+def process_cpu(pid: int) -> float:
+    """CPU seconds (user + system) of process ``pid`` so far, from ``/proc``."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def time_loop(loader: Any, batches: int, take_state: bool) -> tuple[float, float, float]:
+    """Over ``batches`` batches after a warm-up batch (workers started, buffers primed): wall
+    seconds, CPU seconds of this process and the workers, and seconds spent in state_dict()."""
     iterator = iter(loader)
-    next(iterator)  # workers started, buffers primed
+    next(iterator)
+    workers = [worker.pid for worker in iterator._workers]  # torch's, for their CPU time
     in_state = 0.0
+    cpu = -time.process_time() - sum(map(process_cpu, workers))
     start = time.perf_counter()
     for _ in range(batches):
         next(iterator)
@@ -145,51 +163,53 @@ def time_loop(loader: Any, batches: int, take_state: bool) -> tuple[float, float
             loader.state_dict()
             in_state += time.perf_counter() - before
     elapsed = time.perf_counter() - start
+    cpu += time.process_time() + sum(map(process_cpu, workers))
     del iterator
-    return elapsed, in_state
+    return elapsed, cpu, in_state
 
 
-def tree_cpu() -> float:
-    """CPU seconds of this process and of its reaped children (the DataLoader workers, once
-    joined): unlike wall time, not inflated when other jobs preempt the loops."""
-    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
-
-
-def compare(build: Callable[[], rs.Node], workers: int, batches: int, runs: int) -> dict[str, float]:
-    """Medians over ``runs`` alternating runs: batches/s of both loops, their ratio by wall time
-    and by CPU time (main process and workers, start-up to shutdown), and ``state_dict()``'s
-    share of the Loader's step."""
-    plain_rates, loader_rates, ratios, cpu_ratios, shares = [], [], [], [], []
+def compare(
+    build: Callable[[], rs.Node], workers: int, batches: int, runs: int, baseline: Any = None
+) -> dict[str, dict[str, float]]:
+    """Medians over ``runs`` runs in rotating order, for the Loader (and the ``baseline``
+    package's Loader, over its own copy of the pipeline): batches/s of its loop and of the
+    plain one, their ratio by wall time and by CPU time (main process and workers, over the
+    timed batches), and ``state_dict()``'s share of the Loader's step."""
+    loaders = {"loader": (rst.Loader, build)}
+    if baseline is not None:
+        loaders["baseline"] = (baseline.torch.Loader, functools.partial(build, baseline))
+    kinds = ["plain", *loaders]
+    seconds: dict[str, list[float]] = {kind: [] for kind in kinds}
+    cpu: dict[str, list[float]] = {kind: [] for kind in kinds}
+    shares: dict[str, list[float]] = {kind: [] for kind in loaders}
     for run in range(runs):
-        seconds: dict[str, float] = {}
-        cpu: dict[str, float] = {}
-        for which in ("plain", "loader") if run % 2 == 0 else ("loader", "plain"):
-            cpu[which] = -tree_cpu()
-            if which == "plain":
+        for kind in kinds[run % len(kinds) :] + kinds[: run % len(kinds)]:
+            if kind == "plain":
                 plain = DataLoader(
                     PlainDataset(build), batch_size=None, num_workers=workers, prefetch_factor=PREFETCH_FACTOR
                 )
-                seconds[which], _ = time_loop(plain, batches, take_state=False)
+                wall, used, _ = time_loop(plain, batches, take_state=False)
             else:
-                loader = rst.Loader(build, num_workers=workers, prefetch_factor=PREFETCH_FACTOR)
-                seconds[which], in_state = time_loop(loader, batches, take_state=True)
-                shares.append(in_state / seconds[which])
+                loader_class, builder = loaders[kind]
+                loader = loader_class(builder, num_workers=workers, prefetch_factor=PREFETCH_FACTOR)
+                wall, used, in_state = time_loop(loader, batches, take_state=True)
+                shares[kind].append(in_state / wall)
                 loader.close()
-            cpu[which] += tree_cpu()
-        cpu_ratios.append(cpu["plain"] / cpu["loader"])
-        plain_rates.append(batches / seconds["plain"])
-        loader_rates.append(batches / seconds["loader"])
-        ratios.append(seconds["plain"] / seconds["loader"])
-    return {
-        "plain": statistics.median(plain_rates),
-        "loader": statistics.median(loader_rates),
-        "ratio": statistics.median(ratios),
-        "ratio_min": min(ratios),
-        "ratio_max": max(ratios),
-        "cpu_ratio": statistics.median(cpu_ratios),
-        "state_share": statistics.median(shares),
-    }
+            seconds[kind].append(wall)
+            cpu[kind].append(used)
+    rows = {}
+    for kind in loaders:
+        ratios = [plain / ours for plain, ours in zip(seconds["plain"], seconds[kind])]
+        rows[kind] = {
+            "plain": batches / statistics.median(seconds["plain"]),
+            "loader": batches / statistics.median(seconds[kind]),
+            "ratio": statistics.median(ratios),
+            "ratio_min": min(ratios),
+            "ratio_max": max(ratios),
+            "cpu_ratio": statistics.median(plain / ours for plain, ours in zip(cpu["plain"], cpu[kind])),
+            "state_share": statistics.median(shares[kind]),
+        }
+    return rows
 
 
 def worker_cost(build: Callable[[], rs.Node], batches: int, runs: int) -> dict[str, float]:
@@ -245,12 +265,20 @@ def main_in_process(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batches", type=int, default=None, help="per run (default: 400; bpe: 60)")
+    parser.add_argument("--batches", type=int, default=None, help="per run (default: tokens 1500, packed 400, bpe 500)")
     parser.add_argument("--workers", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--pipelines", nargs="+", choices=sorted(PIPELINES), default=["tokens", "packed"])
+    parser.add_argument("--pipelines", nargs="+", choices=sorted(PIPELINES), default=list(PIPELINES))
     parser.add_argument("--in-process", action="store_true", help="a worker's cost per batch, in one process")
+    parser.add_argument(
+        "--baseline",
+        help="module name of another version of the package (a copy renamed, on PYTHONPATH): its Loader "
+        "runs as a third loop, in rotating order with the other two",
+    )
     args = parser.parse_args()
+    baseline = importlib.import_module(args.baseline) if args.baseline else None
+    if baseline is not None:
+        importlib.import_module(f"{args.baseline}.torch")
     make_jsonl_corpus(DATA, CORPUS_BYTES)
     len(rs.jsonl(DATA))  # index built before timing
     torch.set_num_threads(1)
@@ -259,22 +287,25 @@ def main() -> None:
         return
 
     print(
-        f"{batches_label(args)} of {BATCH} rows per run, {args.runs} alternating runs, medians; "
+        f"{batches_label(args)} of {BATCH} rows per run, {args.runs} runs in rotating order, medians; "
         "Loader: a state with every batch and state_dict() after every step"
     )
+    width = 10 + (len(args.baseline) + 2 if args.baseline else 0)
     print(
-        f"{'pipeline':<10}{'workers':>8}{'plain b/s':>11}{'Loader b/s':>12}{'ratio':>8}{'(min-max)':>14}"
+        f"{'pipeline':<{width}}{'workers':>8}{'plain b/s':>11}{'Loader b/s':>12}{'ratio':>8}{'(min-max)':>14}"
         f"{'state_dict/step':>17}{'CPU ratio':>11}"
     )
     for name in args.pipelines:
         for workers in args.workers:
-            row = compare(PIPELINES[name], workers, args.batches or DEFAULT_BATCHES[name], args.runs)
-            spread = f"{row['ratio_min']:.2f}-{row['ratio_max']:.2f}"
-            print(
-                f"{name:<10}{workers:>8}{row['plain']:>11.1f}{row['loader']:>12.1f}{row['ratio']:>8.3f}"
-                f"{spread:>14}{100 * row['state_share']:>16.2f}%{row['cpu_ratio']:>11.3f}",
-                flush=True,
-            )
+            rows = compare(PIPELINES[name], workers, args.batches or DEFAULT_BATCHES[name], args.runs, baseline)
+            for kind, row in rows.items():
+                label = name if kind == "loader" else f"{name}, {args.baseline}"
+                spread = f"{row['ratio_min']:.2f}-{row['ratio_max']:.2f}"
+                print(
+                    f"{label:<{width}}{workers:>8}{row['plain']:>11.1f}{row['loader']:>12.1f}{row['ratio']:>8.3f}"
+                    f"{spread:>14}{100 * row['state_share']:>16.2f}%{row['cpu_ratio']:>11.3f}",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -15,7 +15,13 @@ from typing import Any, NamedTuple, cast
 
 from torch._utils import ExceptionWrapper
 from torchdata.stateful_dataloader import Stateful
-from torchdata.stateful_dataloader.incremental_state import _DATASET_ITER_STATE, _FETCHER_ENDED, _FETCHER_STATE
+from torchdata.stateful_dataloader.incremental_state import (
+    _DATASET_ITER_STATE,
+    _DATASET_STATE,
+    _FETCHER_ENDED,
+    _FETCHER_STATE,
+    _WORKER_ID,
+)
 from torchdata.stateful_dataloader.stateful_dataloader import (
     _INDEX_SAMPLER_STATE,
     _ITERABLEDATASET_LEN_CALLED,
@@ -93,8 +99,8 @@ class _MultiProcessIterator(_Bounded, _StatefulMultiProcessingDataLoaderIter):  
     Here the Loader's workers yield ``BatchWithState`` (the batch and the pipeline state right
     after it) and torchdata's interval is ``NEVER``; this iterator keeps, as each batch is
     handed out, what torchdata's snapshot would then hold (the step, the worker, the sampler
-    count sent with that batch's index, each worker's latest state), and builds the snapshot
-    only when ``state_dict()`` is called. The states are torchdata's own, entry for entry
+    count sent with that batch's index, each worker's latest state: a few dicts per batch),
+    and builds the snapshot around them when ``state_dict()`` is called. The states are torchdata's own, entry for entry
     (``tests/test_loader_every_batch.py`` compares them with a ``StatefulDataLoader`` that
     snapshots every batch), so they load as before.
 
@@ -107,9 +113,16 @@ class _MultiProcessIterator(_Bounded, _StatefulMultiProcessingDataLoaderIter):  
     def _reset(self, loader: Any, first_iter: bool = False, prime_prefetch: bool = True) -> None:
         # Before torchdata's reset, which sends the first indices of the pass.
         self._sampler_counts: dict[int, int] = {}  # send index -> _sampler_iter_yielded when it was sent
-        self._shipped: dict[str, dict[str, Any]] = {}  # worker key -> state with its latest batch, while latest
         self._as_of_batch: _AsOfBatch | None = None  # what the snapshot holds as of the last batch handed out
         super()._reset(loader, first_iter, prime_prefetch)
+        # Each worker's state as a snapshot would hold it now, by worker key: torchdata's as the
+        # pass starts, then the one shipped with its latest batch, or torchdata's again when its
+        # pass ends. Its id and dataset state do not change until then.
+        self._latest_states = {key: incremental.get_state() for key, incremental in self._worker_snapshots.items()}
+        self._worker_heads = {
+            key: {_WORKER_ID: state[_WORKER_ID], _DATASET_STATE: state[_DATASET_STATE]}
+            for key, state in self._latest_states.items()
+        }
 
     def _next_index(self) -> Any:
         index = super()._next_index()
@@ -125,45 +138,34 @@ class _MultiProcessIterator(_Bounded, _StatefulMultiProcessingDataLoaderIter):  
                 "Loader: a worker handed a batch over without its state: its collate_fn was replaced after "
                 "construction; pass collate_fn=... to rs.torch.Loader instead"
             )
-        data, self._shipped[self._worker_key(worker_id)] = data
+        data, shipped = data
+        key = self._worker_key(worker_id)
+        fetcher = {_FETCHER_ENDED: False, _DATASET_ITER_STATE: shipped}
+        self._latest_states[key] = {**self._worker_heads[key], _FETCHER_STATE: fetcher}
         batch = super()._process_data(data, worker_id, state_dict)
         self._as_of_batch = _AsOfBatch(
             self._num_yielded + 1,  # torchdata counts the batch after this call
             worker_id,
             self._sampler_counts.pop(self._rcvd_idx - 1),
-            dict(self._shipped),
-            {},
+            dict(self._latest_states),
         )
         return batch
 
     def _update_worker_snapshot(self, worker_key: str, state_dict: Any) -> None:
-        """A worker's state from torchdata (its last, when its pass ends) is now its latest
-        news: a snapshot already taken keeps the worker's state as it was before."""
-        as_of_batch = self._as_of_batch
-        if state_dict is not None and as_of_batch is not None:
-            if worker_key not in as_of_batch.shipped and worker_key not in as_of_batch.kept:
-                as_of_batch.kept[worker_key] = self._worker_snapshots[worker_key].get_state()
-        self._shipped.pop(worker_key, None)
+        """torchdata's news of a worker (its last state, as its pass ends) is its latest."""
         super()._update_worker_snapshot(worker_key, state_dict)
+        if state_dict is not None:
+            self._latest_states[worker_key] = self._worker_snapshots[worker_key].get_state()
 
     def state_dict(self) -> dict[str, Any]:
         as_of_batch = self._as_of_batch
         if as_of_batch is None:  # no batch since the pass started or was restored: torchdata's own
             return cast("dict[str, Any]", super().state_dict())
-        workers = {}
-        for key, incremental in self._worker_snapshots.items():
-            if key in as_of_batch.kept:
-                workers[key] = as_of_batch.kept[key]
-                continue
-            worker = incremental.get_state()
-            if key in as_of_batch.shipped:
-                worker[_FETCHER_STATE] = {_FETCHER_ENDED: False, _DATASET_ITER_STATE: as_of_batch.shipped[key]}
-            workers[key] = worker
         snapshot = {
             self._SNAPSHOT_STEP: as_of_batch.step,
             self._LAST_YIELDED_WORKER_ID: as_of_batch.worker_id,
             self._MAIN_SNAPSHOT: {**self._get_main_state(), _SAMPLER_ITER_YIELDED: as_of_batch.sampler_count},
-            self._WORKER_SNAPSHOTS: workers,
+            self._WORKER_SNAPSHOTS: dict(as_of_batch.workers),
         }
         return {
             self._SNAPSHOT: snapshot,
@@ -189,8 +191,7 @@ class _AsOfBatch(NamedTuple):
     step: int
     worker_id: int
     sampler_count: int
-    shipped: dict[str, dict[str, Any]]  # worker key -> state shipped with its latest batch
-    kept: dict[str, dict[str, Any]]  # worker key -> torchdata's worker state, kept when it changed since
+    workers: dict[str, dict[str, Any]]  # worker key -> its state then
 
 
 _stateful_classes: dict[type, bool] = {}

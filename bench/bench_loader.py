@@ -52,6 +52,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -137,6 +138,35 @@ class PlainDataset(IterableDataset):  # type: ignore[type-arg]  # torch's generi
         return iter(self.build())
 
 
+class ConstantStateIterator:
+    """The pipeline's iterator reporting a constant state of a worker state's size: what
+    torchdata's own snapshot machinery costs per batch, without the pipeline's state."""
+
+    def __init__(self, pipeline: rs.Node) -> None:
+        self.pipeline = pipeline
+
+    def __iter__(self) -> ConstantStateIterator:
+        return self
+
+    def __next__(self) -> Any:
+        return next(self.pipeline)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"pipeline": CONSTANT_STATE, "epoch": 0}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Never called: the control loop is not restored."""
+
+
+CONSTANT_STATE = "x" * 600
+"""About the size of the ``tokens`` pipeline's state as JSON text."""
+
+
+class ConstantStateDataset(PlainDataset):
+    def __iter__(self) -> Iterator[Any]:
+        return ConstantStateIterator(self.build())
+
+
 def process_cpu(pid: int) -> float:
     """CPU seconds (user + system) of process ``pid`` so far, from ``/proc``."""
     with open(f"/proc/{pid}/stat") as stat:
@@ -168,16 +198,28 @@ def time_loop(loader: Any, batches: int, take_state: bool) -> tuple[float, float
     return elapsed, cpu, in_state
 
 
+def control_loader(build: Callable[[], rs.Node], **config: Any) -> StatefulDataLoader:
+    """torchdata's StatefulDataLoader with a snapshot at every batch, over ``ConstantStateDataset``."""
+    return StatefulDataLoader(ConstantStateDataset(build), batch_size=None, snapshot_every_n_steps=1, **config)
+
+
 def compare(
-    build: Callable[[], rs.Node], workers: int, batches: int, runs: int, baseline: Any = None
+    build: Callable[[], rs.Node],
+    workers: int,
+    batches: int,
+    runs: int,
+    baseline: Any = None,
+    control: bool = False,
 ) -> dict[str, dict[str, float]]:
     """Medians over ``runs`` runs in rotating order, for the Loader (and the ``baseline``
     package's Loader, over its own copy of the pipeline): batches/s of its loop and of the
     plain one, their ratio by wall time and by CPU time (main process and workers, over the
     timed batches), and ``state_dict()``'s share of the Loader's step."""
-    loaders = {"loader": (rst.Loader, build)}
+    loaders: dict[str, tuple[Callable[..., Any], Callable[[], rs.Node]]] = {"loader": (rst.Loader, build)}
     if baseline is not None:
         loaders["baseline"] = (baseline.torch.Loader, functools.partial(build, baseline))
+    if control:
+        loaders["control"] = (control_loader, build)
     kinds = ["plain", *loaders]
     seconds: dict[str, list[float]] = {kind: [] for kind in kinds}
     cpu: dict[str, list[float]] = {kind: [] for kind in kinds}
@@ -194,7 +236,10 @@ def compare(
                 loader = loader_class(builder, num_workers=workers, prefetch_factor=PREFETCH_FACTOR)
                 wall, used, in_state = time_loop(loader, batches, take_state=True)
                 shares[kind].append(in_state / wall)
-                loader.close()
+                if kind == "control":
+                    loader._iterator._shutdown_workers()  # torchdata's; it keeps its iterator
+                else:
+                    loader.close()
             seconds[kind].append(wall)
             cpu[kind].append(used)
     rows = {}
@@ -271,6 +316,12 @@ def main() -> None:
     parser.add_argument("--pipelines", nargs="+", choices=sorted(PIPELINES), default=list(PIPELINES))
     parser.add_argument("--in-process", action="store_true", help="a worker's cost per batch, in one process")
     parser.add_argument(
+        "--control",
+        action="store_true",
+        help="also torchdata's StatefulDataLoader snapshotting every batch, over iterators whose state is a "
+        "constant string: torchdata's own cost per batch",
+    )
+    parser.add_argument(
         "--baseline",
         help="module name of another version of the package (a copy renamed, on PYTHONPATH): its Loader "
         "runs as a third loop, in rotating order with the other two",
@@ -290,16 +341,17 @@ def main() -> None:
         f"{batches_label(args)} of {BATCH} rows per run, {args.runs} runs in rotating order, medians; "
         "Loader: a state with every batch and state_dict() after every step"
     )
-    width = 10 + (len(args.baseline) + 2 if args.baseline else 0)
+    width = 10 + max(len(args.baseline or "") + 2, 9 if args.control else 0)
     print(
         f"{'pipeline':<{width}}{'workers':>8}{'plain b/s':>11}{'Loader b/s':>12}{'ratio':>8}{'(min-max)':>14}"
         f"{'state_dict/step':>17}{'CPU ratio':>11}"
     )
     for name in args.pipelines:
         for workers in args.workers:
-            rows = compare(PIPELINES[name], workers, args.batches or DEFAULT_BATCHES[name], args.runs, baseline)
+            batches = args.batches or DEFAULT_BATCHES[name]
+            rows = compare(PIPELINES[name], workers, batches, args.runs, baseline, args.control)
             for kind, row in rows.items():
-                label = name if kind == "loader" else f"{name}, {args.baseline}"
+                label = {"loader": name, "baseline": f"{name}, {args.baseline}", "control": f"{name}, control"}[kind]
                 spread = f"{row['ratio_min']:.2f}-{row['ratio_max']:.2f}"
                 print(
                     f"{label:<{width}}{workers:>8}{row['plain']:>11.1f}{row['loader']:>12.1f}{row['ratio']:>8.3f}"

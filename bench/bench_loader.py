@@ -92,30 +92,27 @@ def build_tokens(package: Any = rs) -> rs.Node:
     return package.jsonl(DATA).shuffle(seed=0).shard().repeat().map(tokenize_fixed).batch(BATCH, collate_fn=stack)
 
 
-def build_packed(package: Any = rs) -> rs.Node:
+def packed_pipeline(package: Any, tokenizer: Callable[[dict[str, Any]], dict[str, np.ndarray]]) -> rs.Node:
+    """JSONL -> shuffle -> shard -> map(``tokenizer``) -> pack(best_fit, 1000) -> batch."""
     return (
         package.jsonl(DATA)
         .shuffle(seed=0)
         .shard()
         .repeat()
-        .map(tokenize)
+        .map(tokenizer)
         .pack(SEQ_LEN, strategy="best_fit", buffer_size=1000)
         .batch(BATCH, collate_fn=package.pack.collate_rows)
     )
+
+
+def build_packed(package: Any = rs) -> rs.Node:
+    return packed_pipeline(package, tokenize)
 
 
 def build_bpe(package: Any = rs) -> rs.Node:
     from bench.bench_tokenize import Tokenize, corpus, trained_tokenizer  # the bench extra's tokenizers
 
-    return (
-        package.jsonl(DATA)
-        .shuffle(seed=0)
-        .shard()
-        .repeat()
-        .map(Tokenize(trained_tokenizer(corpus(BPE_CORPUS_MB, BPE_CORPUS_FILES))))
-        .pack(SEQ_LEN, strategy="best_fit", buffer_size=1000)
-        .batch(BATCH, collate_fn=package.pack.collate_rows)
-    )
+    return packed_pipeline(package, Tokenize(trained_tokenizer(corpus(BPE_CORPUS_MB, BPE_CORPUS_FILES))))
 
 
 BPE_CORPUS_MB, BPE_CORPUS_FILES = 20, 8

@@ -94,13 +94,13 @@ class _MultiProcessIterator(_Bounded, _StatefulMultiProcessingDataLoaderIter):  
 
     With a snapshot at every batch, torchdata's workers build a state dict around the
     pipeline's, diff it against the previous one and ship the difference, and the main process
-    applies it and rebuilds every worker's state, per batch: measured, that machinery alone
-    costs a tokenising pipeline about as much as the pipeline's own state (docs/benchmarks.md).
-    Here the Loader's workers yield ``BatchWithState`` (the batch and the pipeline state right
-    after it) and torchdata's interval is ``NEVER``; this iterator keeps, as each batch is
-    handed out, what torchdata's snapshot would then hold (the step, the worker, the sampler
-    count sent with that batch's index, each worker's latest state: a few dicts per batch),
-    and builds the snapshot around them when ``state_dict()`` is called. The states are torchdata's own, entry for entry
+    applies it and rebuilds every worker's state, per batch (in a first measurement, with a
+    constant state, as much CPU as the Loader's whole overhead: docs/benchmarks.md). Here the
+    Loader's workers yield ``BatchWithState`` (the batch and the pipeline state right after it)
+    and torchdata's interval is ``NEVER``; this iterator keeps, as each batch is handed out,
+    what torchdata's snapshot would then hold (the step, the worker, the sampler count sent
+    with that batch's index, each worker's latest state: a few dicts per batch), and
+    ``state_dict()`` wraps them. The states are torchdata's own, entry for entry
     (``tests/test_loader_every_batch.py`` compares them with a ``StatefulDataLoader`` that
     snapshots every batch), so they load as before.
 
@@ -131,7 +131,8 @@ class _MultiProcessIterator(_Bounded, _StatefulMultiProcessingDataLoaderIter):  
 
     def _process_data(self, data: Any, worker_id: int, state_dict: Any) -> Any:
         if type(data) is not BatchWithState:
-            # an exception from the worker (torchdata raises it), or a state in torchdata's snapshots
+            # an exception from the worker (torchdata raises it), or a loader whose torchdata
+            # snapshots were switched back on (an interval set after construction)
             if isinstance(data, ExceptionWrapper) or self._snapshot_interval != NEVER:
                 return super()._process_data(data, worker_id, state_dict)
             raise ConfigError(

@@ -13,7 +13,6 @@ import pytest
 import resumable as rs
 import resumable.torch as rst
 from resumable.torch import Loader, PipelineDataset
-from resumable.torch._worker_signals import init_worker
 from resumable.torch.dataset import CollateBatch
 
 EPOCHS = 2
@@ -402,7 +401,6 @@ def legacy_loader(pipeline: Any, every: int, **config: Any) -> Loader:
     loader = Loader(pipeline, **config)
     loader.snapshot_every_n_steps = every  # read by torchdata when it builds the next iterator
     # workers that hand over plain batches, whose states travel in torchdata's snapshots
-    loader.worker_init_fn = functools.partial(init_worker, None, ignore_others_sigterm=True)
     if isinstance(loader.collate_fn, CollateBatch):
         loader.collate_fn = loader.collate_fn.collate_fn
     return loader

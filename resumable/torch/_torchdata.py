@@ -15,13 +15,7 @@ from typing import Any, NamedTuple, cast
 
 from torch._utils import ExceptionWrapper
 from torchdata.stateful_dataloader import Stateful
-from torchdata.stateful_dataloader.incremental_state import (
-    _DATASET_ITER_STATE,
-    _DATASET_STATE,
-    _FETCHER_ENDED,
-    _FETCHER_STATE,
-    _WORKER_ID,
-)
+from torchdata.stateful_dataloader.incremental_state import _DATASET_ITER_STATE, _FETCHER_ENDED, _FETCHER_STATE
 from torchdata.stateful_dataloader.stateful_dataloader import (
     _INDEX_SAMPLER_STATE,
     _ITERABLEDATASET_LEN_CALLED,
@@ -56,8 +50,8 @@ PRIVATE_NAMES = {
 }
 """Private methods used here, by class; the test checks them."""
 PRIVATE_ATTRIBUTES = {
-    _StatefulBaseDataLoaderIter: ("_num_yielded", "_sampler_iter_yielded"),
-    _StatefulMultiProcessingDataLoaderIter: ("_send_idx", "_rcvd_idx", "_worker_snapshots", "_last_yielded_worker_id"),
+    _StatefulBaseDataLoaderIter: ("_num_yielded", "_sampler_iter_yielded", "_finished"),
+    _StatefulMultiProcessingDataLoaderIter: ("_send_idx", "_rcvd_idx", "_worker_snapshots", "_snapshot_interval"),
 }
 """Private attributes of a live iterator used here, by class (set by ``__init__``); the test
 checks them, with the snapshot's entry names (``_SNAPSHOT`` ... ``_STEPS_SINCE_SNAPSHOT``)."""
@@ -119,10 +113,6 @@ class _MultiProcessIterator(_Bounded, _StatefulMultiProcessingDataLoaderIter):  
         # pass starts, then the one shipped with its latest batch, or torchdata's again when its
         # pass ends. Its id and dataset state do not change until then.
         self._latest_states = {key: incremental.get_state() for key, incremental in self._worker_snapshots.items()}
-        self._worker_heads = {
-            key: {_WORKER_ID: state[_WORKER_ID], _DATASET_STATE: state[_DATASET_STATE]}
-            for key, state in self._latest_states.items()
-        }
 
     def _next_index(self) -> Any:
         index = super()._next_index()
@@ -142,7 +132,7 @@ class _MultiProcessIterator(_Bounded, _StatefulMultiProcessingDataLoaderIter):  
         data, shipped = data
         key = self._worker_key(worker_id)
         fetcher = {_FETCHER_ENDED: False, _DATASET_ITER_STATE: shipped}
-        self._latest_states[key] = {**self._worker_heads[key], _FETCHER_STATE: fetcher}
+        self._latest_states[key] = {**self._latest_states[key], _FETCHER_STATE: fetcher}
         batch = super()._process_data(data, worker_id, state_dict)
         self._as_of_batch = _AsOfBatch(
             self._num_yielded + 1,  # torchdata counts the batch after this call

@@ -49,14 +49,14 @@ class Loader(StatefulDataLoader):  # type: ignore[misc]  # torchdata is untyped 
     ``state_dict()`` holds, for every worker, the pipeline state as of the last batch *handed
     to you*: batches prefetched by workers but not yet consumed are produced again after a
     restore. The state is plain JSON data, in which each worker's pipeline state is one JSON
-    string (``python -m resumable inspect`` decodes them). Each ``iter()``
-    that does not follow a ``load_state_dict`` starts a new epoch (a new shuffle order in every
-    worker); after loading a state taken once an epoch had ended, ``iter()`` starts the next.
+    string (``python -m resumable inspect`` decodes them). Each ``iter()`` that does not follow
+    a ``load_state_dict`` starts a new epoch (a new shuffle order in every worker); after
+    loading a state taken once an epoch had ended, ``iter()`` starts the next.
 
     Workers send their pipeline state with every batch, riding with the batch rather than in
     torchdata's snapshots (``_torchdata._MultiProcessIterator``), so the state is exact as it
-    is: a restore replays nothing, and ``python -m resumable inspect`` shows every worker's position as
-    of the last batch. ``snapshot_every_n_steps`` is deprecated: 1 is accepted, any other count
+    is: a restore replays nothing, and ``python -m resumable inspect`` shows every worker's
+    position as of the last batch. ``snapshot_every_n_steps`` is deprecated: 1 is accepted, any other count
     warns (``FutureWarning``) and is ignored.
 
     Workers ignore a SIGTERM that does not come from the trainer (``workers_ignore_sigterm``,

@@ -213,3 +213,34 @@ def test_only_the_loader_s_own_workers_hand_states_over_with_their_batches() -> 
     plain = [batch for batch in DataLoader(dataset, batch_size=None, num_workers=2)]
     assert all(type(batch).__name__ != "BatchWithState" for batch in plain)
     assert sorted(int(x) for batch in plain for x in batch) == through_loader == [2 * x for x in range(12)]
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["fresh", "persistent"])
+def test_a_restored_state_s_seeds_are_in_every_state_after_it_as_in_torchdata_s(persistent: bool) -> None:
+    """The main snapshot's entries but the sampler count are read once per pass; a restore sets
+    them anew (the loaded ``_base_seed``), and every state after it holds them, entry for entry
+    as a StatefulDataLoader snapshotting every batch restored from the same state."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from resumable.torch import PipelineDataset
+
+    build = functools.partial(uneven, 37)
+    config = {"num_workers": 2, "persistent_workers": persistent, "prefetch_factor": 2}
+    first = Loader(build, **config)
+    iterator = iter(first)
+    next(iterator), next(iterator)
+    state = json.loads(json.dumps(first.state_dict()))
+    first.close()
+    state["loader"]["_snapshot"]["_main_snapshot"]["_base_seed"] = 12345
+    reference = StatefulDataLoader(PipelineDataset(build), batch_size=None, snapshot_every_n_steps=1, **config)
+    reference.load_state_dict(state["loader"])
+    resumed = Loader(build, **config)
+    resumed.load_state_dict(state)
+    handed_out = 0
+    for expected, batch in zip(reference, resumed, strict=True):
+        assert [int(x) for x in batch] == [int(x) for x in expected]
+        handed_out += 1
+        assert resumed.state_dict()["loader"] == reference.state_dict(), handed_out
+        assert resumed.state_dict()["loader"]["_snapshot"]["_main_snapshot"]["_base_seed"] == 12345
+    assert handed_out == 37 // 3 + 1 - 2
+    resumed.close()

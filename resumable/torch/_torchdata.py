@@ -101,13 +101,16 @@ class _MultiProcessIterator(_Bounded, _StatefulMultiProcessingDataLoaderIter):  
     Its main-process snapshot asks whether the sampler and the sampler's iterator are
     ``Stateful``: a runtime ``Protocol`` check, about 10-20 us each on Python 3.11. The answer
     depends only on their classes, so it is asked once per class here; the entries are
-    torchdata's (``tests/test_torchdata_private.py`` compares).
+    torchdata's (``tests/test_torchdata_private.py`` compares). Unless a sampler is
+    ``Stateful``, every entry but the sampler count stays the same for a whole pass (torchdata
+    sets them as the pass starts and as a restoring iterator starts), so they are read once per pass.
     """
 
     def _reset(self, loader: Any, first_iter: bool = False, prime_prefetch: bool = True) -> None:
         # Before torchdata's reset, which sends the first indices of the pass.
         self._sampler_counts: dict[int, int] = {}  # send index -> _sampler_iter_yielded when it was sent
         self._as_of_batch: _AsOfBatch | None = None  # what the snapshot holds as of the last batch handed out
+        self._pass_main_state: dict[str, Any] | None = None  # the main snapshot's entries read this pass
         super()._reset(loader, first_iter, prime_prefetch)
         # Each worker's state as a snapshot would hold it now, by worker key: torchdata's as the
         # pass starts, then the one shipped with its latest batch, or torchdata's again when its
@@ -148,6 +151,17 @@ class _MultiProcessIterator(_Bounded, _StatefulMultiProcessingDataLoaderIter):  
         if state_dict is not None:
             self._latest_states[worker_key] = self._worker_snapshots[worker_key].get_state()
 
+    def _main_state_as_of(self, sampler_count: int) -> dict[str, Any]:
+        """The main snapshot as of a batch whose index was sent at ``sampler_count``: torchdata's
+        entries, read at the pass's first batch (after any restore, which torchdata makes as the
+        iterator starts) unless a sampler is ``Stateful`` (its state moves)."""
+        entries = self._pass_main_state
+        if entries is None:
+            entries = self._get_main_state()
+            if not (_is_stateful(self._sampler_iter) or _is_stateful(self._index_sampler)):
+                self._pass_main_state = entries
+        return {**entries, _SAMPLER_ITER_YIELDED: sampler_count}
+
     def state_dict(self) -> dict[str, Any]:
         as_of_batch = self._as_of_batch
         if as_of_batch is None:  # no batch since the pass started or was restored: torchdata's own
@@ -155,7 +169,7 @@ class _MultiProcessIterator(_Bounded, _StatefulMultiProcessingDataLoaderIter):  
         snapshot = {
             self._SNAPSHOT_STEP: as_of_batch.step,
             self._LAST_YIELDED_WORKER_ID: as_of_batch.worker_id,
-            self._MAIN_SNAPSHOT: {**self._get_main_state(), _SAMPLER_ITER_YIELDED: as_of_batch.sampler_count},
+            self._MAIN_SNAPSHOT: self._main_state_as_of(as_of_batch.sampler_count),
             self._WORKER_SNAPSHOTS: dict(as_of_batch.workers),
         }
         return {
@@ -189,13 +203,18 @@ _stateful_classes: dict[type, bool] = {}
 """Whether instances of a class are torchdata ``Stateful``, by class, as first found."""
 
 
-def _state_of(value: Any) -> dict[str, Any] | None:
-    """``value.state_dict()`` if ``value`` is ``Stateful``, else None (torchdata's
-    ``try_to_serialize``), with the ``Protocol`` check made once per class."""
+def _is_stateful(value: Any) -> bool:
+    """Whether ``value`` is torchdata ``Stateful``, the ``Protocol`` check made once per class."""
     stateful = _stateful_classes.get(type(value))
     if stateful is None:
         stateful = _stateful_classes[type(value)] = isinstance(value, Stateful)
-    return value.state_dict() if stateful else None
+    return stateful
+
+
+def _state_of(value: Any) -> dict[str, Any] | None:
+    """``value.state_dict()`` if ``value`` is ``Stateful``, else None (torchdata's
+    ``try_to_serialize``)."""
+    return value.state_dict() if _is_stateful(value) else None
 
 
 def new_iterator(loader: Any, state: dict[str, Any] | None) -> Any:

@@ -356,11 +356,9 @@ class IndexedNode(Node[T]):
 
     # -- fluent methods that keep random access ----------------------------------------------
 
-    def map(self, fn: Callable[[T], U], num_workers: int = 0, mode: str = "thread") -> Node[U]:
-        """Apply ``fn`` to every record. Serial maps keep random access (``fn`` must be pure);
-        with ``num_workers`` the map runs in a pool and the result is an iterator node."""
-        if num_workers:
-            return super().map(fn, num_workers=num_workers, mode=mode)
+    def _serial_map(self, fn: Callable[[T], U]) -> Node[U]:
+        """A serial map keeps random access (``fn`` must be pure); with ``num_workers`` the map
+        runs in a pool and the result is an iterator node."""
         from resumable.ops.map import IndexedMap
 
         return IndexedMap(self, fn)

@@ -10,7 +10,7 @@ only its own options and counters. Nodes with random access derive from
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Generic, Iterator, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Generic, Iterator, Literal, Sequence, TypeVar, overload
 
 from resumable.core.keys import RecordKey
 from resumable.core.state import (
@@ -325,13 +325,43 @@ class Node(Generic[T]):
 
     # -- fluent construction ----------------------------------------------------------------
 
-    def map(self, fn: Callable[[T], U], num_workers: int = 0, mode: str = "thread") -> Node[U]:
+    @overload
+    def map(
+        self, fn: Callable[[T], U], num_workers: int = 0, mode: str = "thread", *, batched: Literal[False] = False
+    ) -> Node[U]: ...
+
+    @overload
+    def map(
+        self,
+        fn: Callable[[list[T]], Sequence[U]],
+        num_workers: int = 0,
+        mode: str = "thread",
+        *,
+        batched: Literal[True],
+    ) -> Node[U]: ...
+
+    def map(
+        self, fn: Callable[..., Any], num_workers: int = 0, mode: str = "thread", *, batched: bool = False
+    ) -> Node[Any]:
         """Apply ``fn`` to every item; with ``num_workers``, in a pool of threads or processes
-        (``mode``), keeping the order."""
+        (``mode``), keeping the order. With ``batched``, ``fn`` takes a list of items and returns
+        one result per item, in order (a tokenizer's ``encode_batch``, which in Rust runs
+        without the GIL, so a thread pool tokenises in parallel); it needs a pool."""
+        if batched is not False and batched is not True:
+            raise ConfigError(f"{self.kind}: map(batched=...) must be a bool, got {batched!r}")
+        if batched and not num_workers:
+            raise ConfigError(
+                f"{self.kind}: map(batched=True) maps chunks of items in a pool: give num_workers >= 1 "
+                "(one thread is enough for a function that releases the GIL, such as encode_batch)"
+            )
         if num_workers:
             from resumable.ops.parallel_map import ParallelMap
 
-            return ParallelMap(self, fn, num_workers=num_workers, mode=mode)
+            return ParallelMap(self, fn, num_workers=num_workers, mode=mode, batched=batched)
+        return self._serial_map(fn)
+
+    def _serial_map(self, fn: Callable[[T], U]) -> Node[U]:
+        """The node ``map(fn)`` builds without a pool."""
         from resumable.ops.map import Map
 
         return Map(self, fn)

@@ -5,7 +5,8 @@ The upstream is read in the consumer's thread, a bounded window ahead; records g
 its own upstream state and key in the window. Results are handed out in upstream order, and the
 state is the one attached to the last result handed out, so the records in flight are read and
 mapped again after a restore. A process pool receives ``fn`` once per worker, when the worker
-starts, and then only records: a task costs the same whatever ``fn`` holds.
+starts, and then only records: a task costs the same whatever ``fn`` holds. A batched ``fn``
+takes a whole chunk in one call.
 """
 
 from __future__ import annotations
@@ -79,20 +80,39 @@ class RemoteTraceback(Exception):
         return self.text
 
 
-def _map_items(fn: Callable[[Any], Any], items: list[Any], remote: bool) -> Outcome:
+def _map_items(fn: Callable[[Any], Any], items: list[Any], remote: bool, batched: bool) -> Outcome:
     """``fn`` over ``items``: every record is mapped, a failure of one does not stop the others
-    (each record's error is handed out at that record, as if it had been mapped alone)."""
+    (each record's error is handed out at that record, as if it had been mapped alone). A
+    batched ``fn`` maps the whole list in one call; if that call fails, each record is mapped
+    alone, so the error reaches the records it belongs to."""
+    if batched and len(items) > 1:
+        try:
+            return apply_batched(fn, items), None
+        except Exception:  # noqa: BLE001 - found again below, record by record
+            pass
     results: list[Any] = []
     failures: Failures = None
     for index, item in enumerate(items):
         try:
-            results.append(fn(item))
+            results.append(apply_batched(fn, [item])[0] if batched else fn(item))
         except Exception as error:  # noqa: BLE001 - handed out at its record
             results.append(None)
             if failures is None:
                 failures = {}
             failures[index] = _portable(error) if remote else (error, None)
     return results, failures
+
+
+def apply_batched(fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
+    """A batched ``fn`` over ``items``: its results, checked to be one per record."""
+    results = fn(items)
+    if isinstance(results, (dict, str, bytes)) or not hasattr(results, "__len__") or len(results) != len(items):
+        count = f"{len(results)} results" if hasattr(results, "__len__") else "no sequence"
+        raise ConfigError(
+            f"map(batched=True): fn returned a {type(results).__name__} ({count}) for {len(items)} records; "
+            "it must return a sequence of one result per record, in order (not a dict of columns)"
+        )
+    return list(results)
 
 
 def _portable(error: Exception) -> tuple[Exception, str]:
@@ -109,19 +129,21 @@ def _no_function(item: Any) -> Any:
     raise ResumableError("ParallelMap worker: no function installed (the pool's initializer did not run)")
 
 
-# The function of this worker process's pool, installed once when the worker starts.
+# The function of this worker process's pool, and whether it is batched, installed once when
+# the worker starts.
 _worker_fn: Callable[[Any], Any] = _no_function
+_worker_batched = False
 
 
-def _install_fn(fn: Callable[[Any], Any]) -> None:
+def _install_fn(fn: Callable[[Any], Any], batched: bool) -> None:
     """Pool initializer: keep ``fn`` for every task of this worker process."""
-    global _worker_fn
-    _worker_fn = fn
+    global _worker_fn, _worker_batched
+    _worker_fn, _worker_batched = fn, batched
 
 
 def _map_in_worker(items: list[Any]) -> Outcome:
     """A process pool's task: the installed function over ``items``."""
-    return _map_items(_worker_fn, items, remote=True)
+    return _map_items(_worker_fn, items, remote=True, batched=_worker_batched)
 
 
 def _with_cause(failure: tuple[Exception, str | None]) -> Exception:
@@ -155,9 +177,11 @@ class ParallelMap(ReadAhead[U]):
     """Apply ``fn`` to each item in a pool of ``num_workers`` threads or processes (``mode``).
 
     Results come in upstream order. Records go to the pool in chunks of 1 growing to
-    ``MAX_CHUNK`` (64); at most ``2 * num_workers`` chunks are in flight. The state is the
-    upstream state as of the last result handed out. An exception in ``fn`` reaches the
-    consumer at that item as a ``MapError`` naming the item's key (its upstream
+    ``MAX_CHUNK`` (64); at most ``2 * num_workers`` chunks are in flight. With ``batched``,
+    ``fn`` maps a chunk in one call (a list of items in, one result per item out); chunks
+    start at one record after a restore, so ``fn`` must map each item as it would alone. The
+    state is the upstream state as of the last result handed out. An exception in ``fn``
+    reaches the consumer at that item as a ``MapError`` naming the item's key (its upstream
     ``last_key()``). In process mode ``fn`` must be picklable (a module-level function, not a
     lambda), and so must the items and results; each worker process receives ``fn`` once. The
     pool starts lazily and stops on ``close()``, on garbage collection and at interpreter exit;
@@ -166,10 +190,14 @@ class ParallelMap(ReadAhead[U]):
 
     kind = "ParallelMap"
 
-    def __init__(self, upstream: Node[T], fn: Callable[[T], U], num_workers: int, mode: str = THREAD) -> None:
+    def __init__(
+        self, upstream: Node[T], fn: Callable[..., Any], num_workers: int, mode: str = THREAD, batched: bool = False
+    ) -> None:
         super().__init__(upstream)
         if not callable(fn):
             raise ConfigError(f"{self.kind}: expected a callable, got {type(fn).__name__}")
+        if batched is not False and batched is not True:
+            raise ConfigError(f"{self.kind}: batched must be a bool, got {batched!r}")
         self.num_workers = check_positive_int(self.kind, NUM_WORKERS, num_workers)
         if mode not in MODES:
             raise ConfigError(f"{self.kind}: mode must be one of {MODES}, got {mode!r}")
@@ -183,6 +211,7 @@ class ParallelMap(ReadAhead[U]):
                 ) from error
         self.fn = fn
         self.mode = mode
+        self.batched = batched
         self._pool: Executor | None = None
         self._finalizer: weakref.finalize[..., ParallelMap[U]] | None = None
         # Entries (kind, chunk or error, index in the chunk, upstream state after it, upstream
@@ -281,7 +310,7 @@ class ParallelMap(ReadAhead[U]):
 
     def _submit(self, items: list[Any]) -> Future[Outcome]:
         if self.mode == THREAD:
-            return self._executor().submit(_map_items, self.fn, items, False)
+            return self._executor().submit(_map_items, self.fn, items, False, self.batched)
         return self._executor().submit(_map_in_worker, items)
 
     def _executor(self) -> Executor:
@@ -293,7 +322,7 @@ class ParallelMap(ReadAhead[U]):
             else:
                 context = multiprocessing.get_context(PROCESS_START_METHOD)
                 pool = ProcessPoolExecutor(
-                    self.num_workers, mp_context=context, initializer=_install_fn, initargs=(self.fn,)
+                    self.num_workers, mp_context=context, initializer=_install_fn, initargs=(self.fn, self.batched)
                 )
             self._pool = pool
             self._finalizer = weakref.finalize(self, _stop_pool, pool, name)
@@ -328,6 +357,8 @@ class ParallelMap(ReadAhead[U]):
         trip. An exception of ``fn`` is raised as it is."""
         items = self.upstream.fetch_many(keys)
         if len(items) < 2:
+            if self.batched:
+                return apply_batched(self.fn, items) if items else []
             return [self.fn(item) for item in items]
         size = min(MAX_CHUNK, math.ceil(len(items) / self.num_workers))
         futures = [self._submit(items[start : start + size]) for start in range(0, len(items), size)]

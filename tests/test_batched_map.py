@@ -263,3 +263,21 @@ def test_batched_with_failures_resumes_exactly_anywhere(failing: set[int], k: in
     resumed.set_state(state)
     assert head + outcomes(resumed, 200) == expected
     resumed.close()
+
+
+def empties_and_fails(xs: list[int]) -> list[int]:
+    """Changes the list it is given, then fails: the retry record by record must not care."""
+    xs.clear()
+    raise ValueError("after clearing")
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_a_fn_that_changes_its_list_does_not_change_the_records_retried(mode: str) -> None:
+    pipe = rs.from_list(list(range(10))).map(empties_and_fails, num_workers=1, mode=mode, batched=True)
+    keys = []
+    for _ in range(10):
+        with pytest.raises(MapError) as info:
+            next(pipe)
+        keys.append(info.value.key)
+    assert keys == [(0, x) for x in range(10)]
+    pipe.close()

@@ -104,8 +104,10 @@ def _map_items(fn: Callable[[Any], Any], items: list[Any], remote: bool, batched
 
 
 def apply_batched(fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
-    """A batched ``fn`` over ``items``: its results, checked to be one per record."""
-    results = fn(items)
+    """A batched ``fn`` over ``items``: its results, checked to be one per record. ``fn`` gets
+    a copy of the list, which it may keep or change: the records are retried one by one from
+    ``items`` if the call fails."""
+    results = fn(list(items))
     if isinstance(results, (dict, str, bytes)) or not hasattr(results, "__len__") or len(results) != len(items):
         count = f"{len(results)} results" if hasattr(results, "__len__") else "no sequence"
         raise ConfigError(

@@ -10,7 +10,10 @@ with Hugging Face ``datasets`` under torchdata's ``StatefulDataLoader``, in one 
    pre-tokenizer, 8,192 tokens, ``<pad>`` = 0) trained on it, both cached in ``bench/data/``.
 2. Ours: ``rs.jsonl(paths).shuffle(seed=0).shard(0, 1).map(tokenize, num_workers=k,
    mode="process").pack(2048, strategy="best_fit", buffer_size=1000).batch(8)``, iterated in
-   this process with ``get_state()`` after every batch.
+   this process with ``get_state()`` after every batch; and "ours batched", the same with
+   ``.map(tokenize.records, num_workers=k, mode="thread", batched=True)``: one ``encode_batch``
+   per chunk of records (up to 64), which the Rust tokenizer runs without the GIL, so ``k``
+   threads tokenise in parallel and no record or result is pickled.
 3. ``datasets``: ``load_dataset("json", data_files=paths, streaming=True, split="train")
    .shuffle(seed=0, buffer_size=1000).map(tokenize.batch, batched=True)``, a greedy (next-fit)
    packer written here, batches of 8 from ``StatefulDataLoader(num_workers=k)``. A streaming
@@ -23,8 +26,9 @@ with Hugging Face ``datasets`` under torchdata's ``StatefulDataLoader``, in one 
    each worker yields rows in bursts, and a DataLoader that takes batches from its workers in
    turn, at most ``P`` ahead each, leaves one worker idle while the other tokenises.
 
-Both read the whole corpus; both tokenise with the same ``Tokenize`` object (``encode`` per
-record for ours, ``encode_batch`` per 1,000 records for ``datasets``), with the Rust
+All read the whole corpus; all tokenise with the same ``Tokenize`` object (``encode`` per
+record for ours, ``encode_batch`` per chunk for ours batched and per 1,000 records for
+``datasets``), with the Rust
 tokenizer's own thread pool off (``TOKENIZERS_PARALLELISM=false``) so that ``k`` is the only
 parallelism. Real tokens are the non-padding ``input_ids`` of the emitted batches; the
 seconds run from building the pipeline to its last batch, so they include starting the
@@ -35,8 +39,8 @@ job kept busy. For ``datasets``, each worker clocks the time its packer spends s
 for the DataLoader to ask for the next row, against the time it spends producing rows: a worker
 that waits while cores are free shows a loader that serialises, whatever else the machine runs.
 Each ``k`` runs ``--runs`` times, the jobs alternating (the order reversed every other run); the
-table gives medians, and each ratio (ours / that job's throughput) is the median of the runs'
-ratios.
+table gives medians, and each ratio (one of ours / that job's throughput) is the median of the
+runs' ratios.
 
 Before the table the script checks that a process-mode map works with the tokenizer: a
 ``Tokenize`` pickles by its file path (each worker loads the tokenizer once), while a callable
@@ -163,6 +167,12 @@ class Tokenize:
     def batch(self, columns: dict[str, list[Any]]) -> dict[str, list[list[int]]]:
         encodings = load_tokenizer(self.path).encode_batch(columns["text"])
         return {"input_ids": [encoding.ids for encoding in encodings]}
+
+    def records(self, records: list[dict[str, Any]]) -> list[dict[str, np.ndarray]]:
+        """``self(record)`` for each record in one ``encode_batch`` call, which the Rust
+        tokenizer runs without holding the GIL: a batched map over a thread pool."""
+        encodings = load_tokenizer(self.path).encode_batch([record["text"] for record in records])
+        return [{"input_ids": np.array(encoding.ids, dtype=np.int32)} for encoding in encodings]
 
 
 class TokenizeHolding:
@@ -298,17 +308,18 @@ class HfConfig:
         return f"datasets {self.map_batch}/{self.prefetch}/{'in' if self.in_order else 'out'}"
 
 
-def ours(paths: list[str], tokenize: Tokenize, workers: int) -> Run:
-    """Our pipeline over the whole corpus, a state taken after every batch."""
+def ours(paths: list[str], tokenize: Tokenize, workers: int, batched: bool = False) -> Run:
+    """Our pipeline over the whole corpus, a state taken after every batch: ``tokenize`` per
+    record in a process pool, or with ``batched``, ``tokenize.records`` per chunk of records in
+    a thread pool (``encode_batch`` releases the GIL, so no record or result is pickled)."""
     clock = CpuClock()
     start = time.perf_counter()
-    pack = (
-        rs.jsonl(paths)
-        .shuffle(seed=0)
-        .shard(0, 1)
-        .map(tokenize, num_workers=workers, mode="process")
-        .pack(SEQ_LEN, strategy="best_fit", buffer_size=BUFFER)
-    )
+    records = rs.jsonl(paths).shuffle(seed=0).shard(0, 1)
+    if batched:
+        mapped = records.map(tokenize.records, num_workers=workers, mode="thread", batched=True)
+    else:
+        mapped = records.map(tokenize, num_workers=workers, mode="process")
+    pack = mapped.pack(SEQ_LEN, strategy="best_fit", buffer_size=BUFFER)
     pipe = pack.batch(BATCH, collate_fn=collate_rows)
     tokens = rows = 0
     first_batch = 0.0
@@ -432,9 +443,14 @@ def datasets_job(paths: list[str], tokenize: Tokenize, workers: int, config: HfC
 Job = Callable[[list[str], Tokenize, int], Run]
 
 
+OURS = {"ours": ours, "ours batched": functools.partial(ours, batched=True)}
+"""Our jobs: ``tokenize`` per record in a process pool (the job as the issue writes it), and
+``tokenize.records`` per chunk in a thread pool (a batched map)."""
+
+
 def jobs(variants: list[HfConfig]) -> dict[str, Job]:
     """Ours and each ``datasets`` variant, by label."""
-    todo: dict[str, Job] = {"ours": ours}
+    todo: dict[str, Job] = dict(OURS)
     todo.update((config.label, functools.partial(datasets_job, config=config)) for config in variants)
     return todo
 
@@ -451,23 +467,27 @@ def compare(
     counts = {name: [r.tokens for r in job_runs] for name, job_runs in measured.items()}
     if len({tokens for job_counts in counts.values() for tokens in job_counts}) != 1:
         raise RuntimeError(f"real tokens differ between runs or jobs: {counts}")
-    ours_runs = measured["ours"]
     for name, job_runs in measured.items():
-        ratios = [o.tokens / o.seconds / (r.tokens / r.seconds) for o, r in zip(ours_runs, job_runs, strict=True)]
         seconds = statistics.median(r.seconds for r in job_runs)
         cells = [
             f"{workers}",
             name,
             f"{statistics.median(r.tokens / r.seconds for r in job_runs) / 1e3:,.0f}",
-            "" if name == "ours" else f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})",
+            *("" if name in OURS else ratio_cell(measured[mine], job_runs) for mine in OURS),
             f"{documents / seconds:,.0f}",
             f"{statistics.median(1e6 * r.cpu / r.tokens for r in job_runs):.2f}",
             f"{statistics.median(r.cores for r in job_runs):.2f}",
-            "" if name == "ours" else f"{100 * statistics.median(r.idle or 0.0 for r in job_runs):.0f}%",
+            "" if name in OURS else f"{100 * statistics.median(r.idle or 0.0 for r in job_runs):.0f}%",
             f"{100 * job_runs[0].efficiency:.2f}%",
             f"{statistics.median(r.first_batch for r in job_runs):.1f}",
         ]
         print(f"| {' | '.join(cells)} |", flush=True)
+
+
+def ratio_cell(mine: list[Run], theirs: list[Run]) -> str:
+    """The median over runs of one of our jobs' throughput over another job's, and its range."""
+    ratios = [o.tokens / o.seconds / (r.tokens / r.seconds) for o, r in zip(mine, theirs, strict=True)]
+    return f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
 
 
 def profile(paths: list[str], tokenize: Tokenize, workers: int) -> None:
@@ -513,8 +533,9 @@ def main() -> None:
     print(
         f"whole corpus per run, {args.runs} alternating runs, medians; seq_len {SEQ_LEN}, batches of {BATCH}; "
         "datasets B/P/O: records per encode_batch / prefetch_factor / in_order\n"
-        "| k | job | k tokens/s | ours / job (min-max) | docs/s | CPU s per M tokens | cores busy "
-        "| workers waiting | packing efficiency | first batch (s) |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "| k | job | k tokens/s | ours / job (min-max) | ours batched / job | docs/s | CPU s per M tokens "
+        "| cores busy | workers waiting | packing efficiency | first batch (s) |\n"
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     )
     todo = jobs(args.hf)
     for workers in args.workers:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from typing import Any, Callable
 
+import numpy as np
+
 from resumable import Node
 
 Build = Callable[[], Node[Any]]
@@ -80,3 +82,25 @@ def loader_batches(loader: Any, stop: int | None = None) -> tuple[list[list[int]
         if len(seen) == stop:
             return seen, json.loads(json.dumps(loader.state_dict()))
     return seen, None
+
+
+def row_lists(row: dict[str, Any]) -> dict[str, list[Any]]:
+    """A packed row (or any dict of arrays) as plain lists, to compare with ``==``."""
+    return {name: np.asarray(value).tolist() for name, value in row.items()}
+
+
+def check_closed_resume(build: Build, ks: tuple[int, ...], total: int, plain: Callable[[Any], Any] = row_lists) -> None:
+    """``check_resume`` for pipelines that own threads or pools: for each ``k`` in ``ks``, save
+    after ``k`` items, ``close()`` the pipeline, restore into a fresh one and compare its
+    continuation (every item through ``plain``) with an uninterrupted run of ``total`` items."""
+    whole = build()
+    expected = [plain(item) for item in take(whole, total)]
+    whole.close()
+    for k in ks:
+        pipe = build()
+        head = [plain(item) for item in take(pipe, k)]
+        state = pipe.get_state()
+        pipe.close()
+        resumed = restored(build, state)
+        assert head + [plain(item) for item in take(resumed, total - k)] == expected, k
+        resumed.close()

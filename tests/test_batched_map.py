@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import resumable as rs
 from resumable import Node
 from resumable.ops.parallel_map import MapError
-from tests.resume import check_resume, loader_batches, take
+from tests.resume import check_closed_resume, check_resume, loader_batches, take
 from tests.sources import INDEXED_KINDS, STREAM_KINDS, indexed_source, stream_source
 
 N = 60
@@ -135,19 +135,7 @@ def test_a_packer_after_a_batched_map_restores_exactly(mode: str) -> None:
         pipe = indexed_source("jsonl", RECORDS).shuffle(9).map(encode_batch, num_workers=2, mode=mode, batched=True)
         return pipe.pack(24, strategy="best_fit", buffer_size=6)
 
-    def rows(pipe: Node[Any], count: int) -> list[Any]:
-        return [np.asarray(row["input_ids"]).tolist() for row in take(pipe, count)]
-
-    expected = rows(build(), 30)
-    for k in (1, 7, 19) if mode == "thread" else (7,):
-        pipe = build()
-        head = rows(pipe, k)
-        state = pipe.get_state()
-        pipe.close()
-        resumed = build()
-        resumed.set_state(state)
-        assert head + rows(resumed, 30 - k) == expected
-        resumed.close()
+    check_closed_resume(build, (1, 7, 19) if mode == "thread" else (7,), 30)
 
 
 def test_fetch_maps_one_record_through_the_batched_fn() -> None:

@@ -15,7 +15,7 @@ import pytest
 import resumable as rs
 from resumable import Node
 from resumable.ops.parallel_map import MAX_CHUNK, MapError, ParallelMap
-from tests.resume import check_resume, take
+from tests.resume import check_closed_resume, check_resume, take
 
 N = 60
 
@@ -191,19 +191,7 @@ def test_pack_after_parallel_map_resumes_exactly() -> None:
         pipe = rs.from_list(docs).shuffle(9).map(shifted, num_workers=3)
         return pipe.filter(lambda r: len(r["input_ids"]) % 4 != 0).pack(24, strategy="best_fit", buffer_size=6)
 
-    def rows(pipe: Node[Any], count: int) -> list[Any]:
-        return [{k: np.asarray(v).tolist() for k, v in row.items()} for row in take(pipe, count)]
-
-    expected = rows(build(), 45)
-    for k in (0, 4, 13, 30):
-        pipe = build()
-        head = rows(pipe, k)
-        state = pipe.get_state()
-        pipe.close()
-        resumed = build()
-        resumed.set_state(state)
-        assert head + rows(resumed, 45 - k) == expected
-        resumed.close()
+    check_closed_resume(build, (0, 4, 13, 30), 45)
 
 
 def test_last_key_and_fetch_apply_fn() -> None:

@@ -13,7 +13,7 @@ import pytest
 import resumable as rs
 from resumable import Node
 from resumable.ops.prefetch import Prefetch
-from tests.resume import check_resume, take
+from tests.resume import check_closed_resume, check_resume, take
 
 N = 60
 
@@ -159,19 +159,7 @@ def test_pack_after_prefetch_resumes_exactly() -> None:
     def build() -> Node[Any]:
         return rs.from_list(docs).shuffle(4).prefetch(3).pack(16, strategy="best_fit", buffer_size=5)
 
-    def rows(pipe: Node[Any], count: int) -> list[Any]:
-        return [{k: np.asarray(v).tolist() for k, v in row.items()} for row in take(pipe, count)]
-
-    expected = rows(build(), 40)
-    for k in (0, 3, 11):
-        pipe = build()
-        head = rows(pipe, k)
-        state = pipe.get_state()
-        pipe.close()
-        resumed = build()
-        resumed.set_state(state)
-        assert head + rows(resumed, 40 - k) == expected
-        resumed.close()
+    check_closed_resume(build, (0, 3, 11), 40)
 
 
 # -- exceptions -----------------------------------------------------------------------------

@@ -180,6 +180,8 @@ def test_close_stops_the_workers_and_the_next_iter_continues(persistent_workers:
         head = [(0, as_lists(next(iterator))) for _ in range(6)]
         workers = list(iterator._workers)
         loader.close()
+        for worker in workers:  # torch joins each for 5 s, then terminates it: give that time to take effect
+            worker.join(timeout=10)
         assert not any(worker.is_alive() for worker in workers)
         loader.close()  # closing twice is harmless
         tail, _ = train(loader, resumed=True)

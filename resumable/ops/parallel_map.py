@@ -11,6 +11,7 @@ takes a whole chunk in one call.
 
 from __future__ import annotations
 
+import copy
 import math
 import multiprocessing
 import pickle
@@ -19,7 +20,9 @@ import traceback
 import weakref
 from collections import deque
 from concurrent.futures import BrokenExecutor, Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
-from typing import Any, Callable, Optional, Sequence, TypeVar
+from typing import Any, Callable, Optional, Sequence, TypeVar, cast
+
+import numpy as np
 
 from resumable.core.keys import RecordKey
 from resumable.core.node import Node
@@ -105,16 +108,33 @@ def _map_items(fn: Callable[[Any], Any], items: list[Any], remote: bool, batched
 
 def apply_batched(fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
     """A batched ``fn`` over ``items``: its results, checked to be one per record. ``fn`` gets
-    a copy of the list, which it may keep or change: the records are retried one by one from
-    ``items`` if the call fails."""
-    results = fn(list(items))
-    if isinstance(results, (dict, str, bytes)) or not hasattr(results, "__len__") or len(results) != len(items):
-        count = f"{len(results)} results" if hasattr(results, "__len__") else "no sequence"
+    copies of several records (deep, where they can be copied), so that what a failed call
+    changed in them is not seen by the retry of each record alone."""
+    results = fn(_copies(items) if len(items) > 1 else list(items))
+    checked = list(results) if _is_sequence(results) else None
+    if checked is None or len(checked) != len(items):
+        got = "" if checked is None else f" of {len(checked)} results"
         raise ConfigError(
-            f"map(batched=True): fn returned a {type(results).__name__} ({count}) for {len(items)} records; "
-            "it must return a sequence of one result per record, in order (not a dict of columns)"
+            f"map(batched=True): fn returned a {type(results).__name__}{got} for {len(items)} records; it must "
+            "return a list (a sequence, or a numpy array along its first axis) of one result per record, in order"
         )
-    return list(results)
+    return checked
+
+
+def _copies(items: list[Any]) -> list[Any]:
+    """Deep copies of ``items``, or the list alone if a record cannot be copied (an open file)."""
+    try:
+        return copy.deepcopy(items)
+    except Exception:  # noqa: BLE001 - any record deepcopy refuses
+        return list(items)
+
+
+def _is_sequence(results: Any) -> bool:
+    """Whether ``results`` lists results in order: a sequence that is not text, or a numpy
+    array of at least one dimension (not a mapping, a set, a frame of columns, a scalar)."""
+    if isinstance(results, np.ndarray):
+        return results.ndim >= 1
+    return isinstance(results, Sequence) and not isinstance(results, (str, bytes, bytearray))
 
 
 def _portable(error: Exception) -> tuple[Exception, str]:
@@ -234,14 +254,17 @@ class ParallelMap(ReadAhead[U]):
         self._fill()
         if not self._window:
             raise StopIteration  # the end was handed out already
-        kind, payload, index, state, key = self._window.popleft()
+        kind, payload, index, state, key = self._window[0]
+        if kind == _RESULT and payload.results is None:
+            self._resolve(payload)  # while the entry is still ahead: an interrupt here hands nothing out
+        self._window.popleft()
         self._record(state, key)
         if kind == _END:
             raise StopIteration
         if kind == _ERROR:
             raise payload
         chunk: _Chunk = payload
-        results = chunk.results if chunk.results is not None else self._resolve(chunk)
+        results = cast("list[Any]", chunk.results)  # resolved above
         if chunk.failures is not None and index in chunk.failures:
             error = _with_cause(chunk.failures[index])
             raise MapError(

@@ -357,8 +357,8 @@ class IndexedNode(Node[T]):
     # -- fluent methods that keep random access ----------------------------------------------
 
     def _serial_map(self, fn: Callable[[T], U]) -> Node[U]:
-        """A serial map keeps random access (``fn`` must be pure); with ``num_workers`` the map
-        runs in a pool and the result is an iterator node."""
+        """A serial map over records keeps random access (``fn`` must be pure), so shuffle and
+        shard may follow it."""
         from resumable.ops.map import IndexedMap
 
         return IndexedMap(self, fn)

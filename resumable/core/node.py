@@ -347,8 +347,6 @@ class Node(Generic[T]):
         (``mode``), keeping the order. With ``batched``, ``fn`` takes a list of items and returns
         one result per item, in order (a tokenizer's ``encode_batch``, which in Rust runs
         without the GIL, so a thread pool tokenises in parallel); it needs a pool."""
-        if batched is not False and batched is not True:
-            raise ConfigError(f"{self.kind}: map(batched=...) must be a bool, got {batched!r}")
         if batched and not num_workers:
             raise ConfigError(
                 f"{self.kind}: map(batched=True) maps chunks of items in a pool: give num_workers >= 1 "

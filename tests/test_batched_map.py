@@ -37,17 +37,6 @@ def as_plain(item: dict[str, Any]) -> tuple[int, list[int]]:
     return item["id"], np.asarray(item["input_ids"]).tolist()
 
 
-FAILING = frozenset({13, 300, 301, 700})
-
-
-def fail_in_batch(xs: list[int]) -> list[int]:
-    """Raises for any list holding a failing record, as a batched tokenizer does on bad input."""
-    bad = FAILING.intersection(xs)
-    if bad:
-        raise KeyError(f"no value for {sorted(bad)}")
-    return [x + 1 for x in xs]
-
-
 def columns(records: list[dict[str, Any]]) -> dict[str, list[Any]]:
     """``datasets``' batched form (a dict of columns): not ours."""
     return {"id": [record["id"] for record in records]}
@@ -167,25 +156,6 @@ def test_a_loader_over_a_batched_map_resumes_exactly(workers: int) -> None:
 
 
 # -- errors -----------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("mode", ["thread", "process"])
-def test_a_failing_batch_hands_its_error_to_the_failing_records_only(mode: str) -> None:
-    pipe = rs.from_list(list(range(1000))).map(fail_in_batch, num_workers=2, mode=mode, batched=True)
-    handed_out: list[int] = []
-    failed: list[Any] = []
-    while True:
-        try:
-            handed_out.append(next(pipe))
-        except MapError as error:
-            failed.append(error.key)
-            assert isinstance(error.__cause__, KeyError)
-            assert pipe.get_state()["upstream"]["position"] == error.key[1] + 1  # type: ignore[index]  # (epoch, index)
-        except StopIteration:
-            break
-    assert failed == [(0, x) for x in sorted(FAILING)]
-    assert handed_out == [x + 1 for x in range(1000) if x not in FAILING]
-    pipe.close()
 
 
 @pytest.mark.parametrize("fn", [columns, drops_one, one_result], ids=lambda fn: fn.__name__)

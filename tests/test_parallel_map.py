@@ -46,6 +46,14 @@ def fail_on_13(x: int) -> int:
 FAILING = (13, 300, 301, 700)
 
 
+def fail_on_13_batched(xs: list[int]) -> list[int]:
+    """``fail_on_13`` over a chunk, as a batched fn: any failing record fails the whole call."""
+    bad = sorted(set(FAILING).intersection(xs))
+    if bad:
+        raise KeyError(f"no value for {bad}")
+    return xs
+
+
 def lock_on_200(x: int) -> Any:
     """Returns an object that cannot be pickled, for one record."""
     return threading.Lock() if x == 200 else x
@@ -228,8 +236,14 @@ def test_fn_error_arrives_in_order_with_the_record_key(mode: str) -> None:
 
 
 @pytest.mark.parametrize("mode", ["thread", "process"])
-def test_fn_errors_inside_full_chunks_arrive_at_their_records(mode: str) -> None:
-    pipe = rs.from_list(list(range(1000))).map(fail_on_13, num_workers=2, mode=mode)
+@pytest.mark.parametrize("batched", [False, True], ids=["per-record", "batched"])
+def test_fn_errors_inside_full_chunks_arrive_at_their_records(mode: str, batched: bool) -> None:
+    """A batched call that fails is retried record by record, so its error too reaches only the
+    failing records."""
+    if batched:
+        pipe = rs.from_list(list(range(1000))).map(fail_on_13_batched, num_workers=2, mode=mode, batched=True)
+    else:
+        pipe = rs.from_list(list(range(1000))).map(fail_on_13, num_workers=2, mode=mode)
     handed_out: list[int] = []
     failed: list[Any] = []
     while True:

@@ -276,7 +276,7 @@ class ParallelMap(ReadAhead[U]):
         results[index] = None  # the consumer holds it now; the chunk need not
         return result
 
-    def _resolve(self, chunk: _Chunk) -> list[Any]:
+    def _resolve(self, chunk: _Chunk) -> None:
         """Wait for ``chunk``'s task and keep its outcome; the next chunks grow."""
         try:
             chunk.results, chunk.failures = chunk.future.result()
@@ -288,7 +288,6 @@ class ParallelMap(ReadAhead[U]):
             chunk.results, chunk.failures = self._one_by_one(chunk.items, error)
         chunk.items = []
         self._chunk_size = min(MAX_CHUNK, 2 * self._chunk_size)
-        return chunk.results
 
     def _one_by_one(self, items: list[Any], error: Exception) -> Outcome:
         """The outcome of a chunk whose task failed as a whole, record by record."""

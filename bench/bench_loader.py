@@ -21,7 +21,9 @@ alternate (which one goes first alternates too), ``--runs`` times; the ratio of 
 plain seconds / Loader seconds, and the table gives the medians. The CPU ratio divides the CPU
 seconds of the timed batches (this process and its workers, read from ``/proc``; start-up
 excluded, as from the wall time): the cost of the state per batch, which preemptions by other
-jobs do not inflate.
+jobs do not inflate. ``state_dict/step`` is the loop's time in ``state_dict()`` over its whole
+time; ``(its CPU)`` counts the main thread's CPU seconds in the call instead, which leave out
+the moments the call waited for a core (two workers and the loop share two cores here).
 
 ``--in-process`` measures instead what a worker adds per batch, in one process, which a loaded
 machine disturbs far less than the end-to-end loops: two copies of the pipeline advance in
@@ -174,25 +176,28 @@ def process_cpu(pid: int) -> float:
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def time_loop(loader: Any, batches: int, take_state: bool) -> tuple[float, float, float]:
+def time_loop(loader: Any, batches: int, take_state: bool) -> tuple[float, float, float, float]:
     """Over ``batches`` batches after a warm-up batch (workers started, buffers primed): wall
-    seconds, CPU seconds of this process and the workers, and seconds spent in state_dict()."""
+    seconds, CPU seconds of this process and the workers, and the wall and CPU seconds of the
+    main thread spent in state_dict() (on shared cores the wall time includes preemptions by
+    the workers and other jobs; the thread's CPU time is what the call itself costs)."""
     iterator = iter(loader)
     next(iterator)
     workers = [worker.pid for worker in iterator._workers]  # torch's, for their CPU time
-    in_state = 0.0
+    in_state = state_cpu = 0.0
     cpu = -time.process_time() - sum(map(process_cpu, workers))
     start = time.perf_counter()
     for _ in range(batches):
         next(iterator)
         if take_state:
-            before = time.perf_counter()
+            before, before_cpu = time.perf_counter(), time.thread_time()
             loader.state_dict()
+            state_cpu += time.thread_time() - before_cpu
             in_state += time.perf_counter() - before
     elapsed = time.perf_counter() - start
     cpu += time.process_time() + sum(map(process_cpu, workers))
     del iterator
-    return elapsed, cpu, in_state
+    return elapsed, cpu, in_state, state_cpu
 
 
 def control_loader(build: Callable[[], rs.Node], **config: Any) -> StatefulDataLoader:
@@ -211,7 +216,8 @@ def compare(
     """Medians over ``runs`` runs in rotating order, for the Loader (and the ``baseline``
     package's Loader, over its own copy of the pipeline): batches/s of its loop and of the
     plain one, their ratio by wall time and by CPU time (main process and workers, over the
-    timed batches), and ``state_dict()``'s share of the Loader's step."""
+    timed batches), and ``state_dict()``'s share of the Loader's step (its wall seconds, and its
+    CPU seconds in the main thread, over the loop's wall seconds)."""
     loaders: dict[str, tuple[Callable[..., Any], Callable[[], rs.Node]]] = {"loader": (rst.Loader, build)}
     if baseline is not None:
         loaders["baseline"] = (baseline.torch.Loader, functools.partial(build, baseline))
@@ -221,18 +227,20 @@ def compare(
     seconds: dict[str, list[float]] = {kind: [] for kind in kinds}
     cpu: dict[str, list[float]] = {kind: [] for kind in kinds}
     shares: dict[str, list[float]] = {kind: [] for kind in loaders}
+    cpu_shares: dict[str, list[float]] = {kind: [] for kind in loaders}
     for run in range(runs):
         for kind in kinds[run % len(kinds) :] + kinds[: run % len(kinds)]:
             if kind == "plain":
                 plain = DataLoader(
                     PlainDataset(build), batch_size=None, num_workers=workers, prefetch_factor=PREFETCH_FACTOR
                 )
-                wall, used, _ = time_loop(plain, batches, take_state=False)
+                wall, used, _, _ = time_loop(plain, batches, take_state=False)
             else:
                 loader_class, builder = loaders[kind]
                 loader = loader_class(builder, num_workers=workers, prefetch_factor=PREFETCH_FACTOR)
-                wall, used, in_state = time_loop(loader, batches, take_state=True)
+                wall, used, in_state, state_cpu = time_loop(loader, batches, take_state=True)
                 shares[kind].append(in_state / wall)
+                cpu_shares[kind].append(state_cpu / wall)
                 if kind == "control":
                     loader._iterator._shutdown_workers()  # torchdata's; it keeps its iterator
                 else:
@@ -250,6 +258,7 @@ def compare(
             "ratio_max": max(ratios),
             "cpu_ratio": statistics.median(plain / ours for plain, ours in zip(cpu["plain"], cpu[kind])),
             "state_share": statistics.median(shares[kind]),
+            "state_cpu_share": statistics.median(cpu_shares[kind]),
         }
     return rows
 
@@ -341,7 +350,7 @@ def main() -> None:
     width = 10 + max(len(args.baseline or "") + 2, 9 if args.control else 0)
     print(
         f"{'pipeline':<{width}}{'workers':>8}{'plain b/s':>11}{'Loader b/s':>12}{'ratio':>8}{'(min-max)':>14}"
-        f"{'state_dict/step':>17}{'CPU ratio':>11}"
+        f"{'state_dict/step':>17}{'(its CPU)':>11}{'CPU ratio':>11}"
     )
     for name in args.pipelines:
         for workers in args.workers:
@@ -352,7 +361,8 @@ def main() -> None:
                 spread = f"{row['ratio_min']:.2f}-{row['ratio_max']:.2f}"
                 print(
                     f"{label:<{width}}{workers:>8}{row['plain']:>11.1f}{row['loader']:>12.1f}{row['ratio']:>8.3f}"
-                    f"{spread:>14}{100 * row['state_share']:>16.2f}%{row['cpu_ratio']:>11.3f}",
+                    f"{spread:>14}{100 * row['state_share']:>16.2f}%{100 * row['state_cpu_share']:>10.2f}%"
+                    f"{row['cpu_ratio']:>11.3f}",
                     flush=True,
                 )
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import warnings
 from typing import Any
@@ -186,6 +187,35 @@ def test_close_stops_the_workers_and_the_next_iter_continues(persistent_workers:
         loader.close()  # closing twice is harmless
         tail, _ = train(loader, resumed=True)
     assert head + tail == expected
+
+
+def failure_kept_with_a_live_loader(config: dict) -> tuple[RuntimeError, list[Any]]:
+    """A training loop that fails mid-epoch and keeps its error in a local: the error's
+    traceback holds the loop's frame, which holds the error and the loader, a reference cycle
+    only the cyclic garbage collector frees. Returns the error and the loader's workers."""
+    loader = make(config)
+    iterator = iter(loader)
+    next(iterator)
+    workers = list(iterator._workers)
+    try:
+        raise RuntimeError("the training step failed")
+    except RuntimeError as error:
+        failure = error
+    return failure, workers
+
+
+@pytest.mark.parametrize("persistent_workers", [False, True])
+def test_a_loader_freed_by_the_cyclic_collector_stops_its_workers_without_killing_them(
+    persistent_workers: bool,
+) -> None:
+    failure, workers = failure_kept_with_a_live_loader({"num_workers": 2, "persistent_workers": persistent_workers})
+    assert all(worker.is_alive() for worker in workers)
+    del failure
+    gc.collect()
+    for worker in workers:  # torch joins each for 5 s, then terminates it: give that time to take effect
+        worker.join(timeout=20)
+    # 0: the worker took the shutdown request; a worker torch had to terminate exits with -SIGTERM
+    assert [worker.exitcode for worker in workers] == [0, 0]
 
 
 def small() -> rs.Node:

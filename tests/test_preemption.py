@@ -26,14 +26,14 @@ def load_demo():  # type: ignore[no-untyped-def]  # returns the demo module
     return module
 
 
-def test_sigkill_six_times_then_sigterm_twice(tmp_path: Path) -> None:
+def test_sigkill_three_times_then_sigterm_twice(tmp_path: Path) -> None:
     demo = load_demo()
     reference, interrupted = tmp_path / "runs" / "reference", tmp_path / "runs" / "interrupted"
     assert demo.run_job(reference, STEPS) == 0
-    events = demo.run_with_interruptions(interrupted, STEPS, kills=6, terms=2, seed=1)
+    events = demo.run_with_interruptions(interrupted, STEPS, kills=3, terms=2, seed=1)
     kills = [e for e in events if e.startswith("SIGKILL")]
     terms = [e for e in events if e.startswith("SIGTERM")]
-    assert len(kills) == 6 and all("exit status -9" in e for e in kills), events
+    assert len(kills) == 3 and all("exit status -9" in e for e in kills), events
     assert len(terms) == 2 and all("exit status 0" in e for e in terms), events  # graceful: saved, exited
     assert events[-1] == "finished (exit status 0)"
     assert demo.log_lines(interrupted) == STEPS

@@ -11,6 +11,7 @@ torchdata fails there, loudly, rather than deep inside a training job.
 
 from __future__ import annotations
 
+from types import FunctionType
 from typing import Any, NamedTuple, cast
 
 from torch._utils import ExceptionWrapper
@@ -51,7 +52,14 @@ PRIVATE_NAMES = {
 """Private methods used here, by class; the test checks them."""
 PRIVATE_ATTRIBUTES = {
     _StatefulBaseDataLoaderIter: ("_num_yielded", "_sampler_iter_yielded", "_finished"),
-    _StatefulMultiProcessingDataLoaderIter: ("_send_idx", "_rcvd_idx", "_worker_snapshots", "_snapshot_interval"),
+    _StatefulMultiProcessingDataLoaderIter: (
+        "_send_idx",
+        "_rcvd_idx",
+        "_worker_snapshots",
+        "_snapshot_interval",
+        "_index_queues",
+        "_worker_result_queue",
+    ),
 }
 """Private attributes of a live iterator used here, by class (set by ``__init__``); the test
 checks them, with the snapshot's entry names (``_SNAPSHOT`` ... ``_STEPS_SINCE_SNAPSHOT``)."""
@@ -82,6 +90,20 @@ class _SingleProcessIterator(_Bounded, _StatefulSingleProcessDataLoaderIter):  #
     """torchdata's iterator without workers, held to ``MAX_COUNT``."""
 
 
+_QUEUES_OF_LIVE_ITERATORS: dict[int, tuple[Any, Any]] = {}
+"""Each live iterator's queues to its workers (and from them), by the iterator's id, until its
+workers are shut down.
+
+An iterator stops its workers in ``__del__`` by putting ``None`` on each worker's index queue;
+a queue's feeder thread then writes it to the worker. When the iterator is in a reference
+cycle (a traceback that holds the training loop's frame, for one), the cyclic garbage collector
+runs every weakref callback of the garbage before any ``__del__``, and ``multiprocessing``'s
+finalizer of each queue is one: it stops the queue's feeder thread. ``__del__`` then puts
+``None`` where nothing sends it, and torch waits 5 s for each worker before it terminates it.
+Held here, the queues are not garbage while the iterator is, so they are finalized only after
+its ``__del__`` has stopped the workers."""
+
+
 class _MultiProcessIterator(_Bounded, _StatefulMultiProcessingDataLoaderIter):  # type: ignore[misc]  # torchdata is untyped (Any)
     """torchdata's iterator over workers, held to ``MAX_COUNT``, whose state is as of the last
     batch handed out without torchdata's per-batch snapshots.
@@ -106,7 +128,15 @@ class _MultiProcessIterator(_Bounded, _StatefulMultiProcessingDataLoaderIter):  
     sets them as the pass starts and as a restoring iterator starts), so they are read once per pass.
     """
 
+    def _shutdown_workers(self) -> None:
+        try:
+            super()._shutdown_workers()
+        finally:
+            _QUEUES_OF_LIVE_ITERATORS.pop(id(self), None)
+
     def _reset(self, loader: Any, first_iter: bool = False, prime_prefetch: bool = True) -> None:
+        # torchdata's __init__ resets once its workers have started, before it restores
+        _QUEUES_OF_LIVE_ITERATORS[id(self)] = (self._index_queues, self._worker_result_queue)
         # Before torchdata's reset, which sends the first indices of the pass.
         self._sampler_counts: dict[int, int] = {}  # send index -> _sampler_iter_yielded when it was sent
         self._as_of_batch: _AsOfBatch | None = None  # what the snapshot holds as of the last batch handed out
@@ -237,15 +267,28 @@ def stop_iterator(loader: Any) -> None:
         iterator._shutdown_workers()
 
 
-def shut_down_half_built_iterators(error: BaseException) -> None:
-    """Stop the workers of an iterator whose start-up raised (a worker failed to restore).
+_ITERATOR_INIT_CODES = frozenset(
+    init.__code__
+    for init in (vars(cls).get("__init__") for cls in _MultiProcessIterator.__mro__)
+    if isinstance(init, FunctionType)
+)
+"""The code of every ``__init__`` an iterator over workers runs while it starts."""
 
-    The half-built iterator stays reachable from the traceback, and when it is finally
-    collected its workers no longer answer the shutdown request: each one costs a join timeout.
+
+def shut_down_half_built_iterators(error: BaseException) -> None:
+    """Stop the workers of an iterator whose start-up raised (a worker failed to restore), now
+    rather than when the traceback that holds the half-built iterator is collected.
+
+    Only the frames of the iterator's own ``__init__`` are searched: reading another frame's
+    locals keeps them in the frame, and the frame that caught ``error`` holds ``error``, whose
+    traceback holds that frame, a cycle that would leave everything those frames hold (other
+    loaders' live iterators too) to the cyclic garbage collector.
     """
     traceback = error.__traceback__
     while traceback is not None:
-        candidate = traceback.tb_frame.f_locals.get("self")
-        if isinstance(candidate, _StatefulMultiProcessingDataLoaderIter):
-            candidate._shutdown_workers()
+        frame = traceback.tb_frame
+        if frame.f_code in _ITERATOR_INIT_CODES:
+            candidate = frame.f_locals.get("self")
+            if isinstance(candidate, _StatefulMultiProcessingDataLoaderIter):
+                candidate._shutdown_workers()
         traceback = traceback.tb_next

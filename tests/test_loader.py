@@ -13,7 +13,7 @@ import pytest
 
 import resumable as rs
 import resumable.torch as rst
-from resumable.torch import Loader, PipelineDataset
+from resumable.torch import Loader, PipelineDataset, _torchdata
 from resumable.torch.dataset import CollateBatch
 
 EPOCHS = 2
@@ -189,10 +189,11 @@ def test_close_stops_the_workers_and_the_next_iter_continues(persistent_workers:
     assert head + tail == expected
 
 
-def failure_kept_with_a_live_loader(config: dict) -> tuple[RuntimeError, list[Any]]:
+def failure_kept_with_a_live_loader(config: dict) -> tuple[RuntimeError, list[Any], int]:
     """A training loop that fails mid-epoch and keeps its error in a local: the error's
     traceback holds the loop's frame, which holds the error and the loader, a reference cycle
-    only the cyclic garbage collector frees. Returns the error and the loader's workers."""
+    only the cyclic garbage collector frees. Returns the error, the loader's workers and the
+    id of its iterator."""
     loader = make(config)
     iterator = iter(loader)
     next(iterator)
@@ -201,21 +202,37 @@ def failure_kept_with_a_live_loader(config: dict) -> tuple[RuntimeError, list[An
         raise RuntimeError("the training step failed")
     except RuntimeError as error:
         failure = error
-    return failure, workers
+    return failure, workers, id(iterator)
 
 
 @pytest.mark.parametrize("persistent_workers", [False, True])
 def test_a_loader_freed_by_the_cyclic_collector_stops_its_workers_without_killing_them(
     persistent_workers: bool,
 ) -> None:
-    failure, workers = failure_kept_with_a_live_loader({"num_workers": 2, "persistent_workers": persistent_workers})
+    failure, workers, iterator = failure_kept_with_a_live_loader(
+        {"num_workers": 2, "persistent_workers": persistent_workers}
+    )
     assert all(worker.is_alive() for worker in workers)
+    assert iterator in _torchdata._QUEUES_OF_LIVE_ITERATORS
     del failure
     gc.collect()
+    assert iterator not in _torchdata._QUEUES_OF_LIVE_ITERATORS  # released with the workers
     for worker in workers:  # torch joins each for 5 s, then terminates it: give that time to take effect
         worker.join(timeout=20)
     # 0: the worker took the shutdown request; a worker torch had to terminate exits with -SIGTERM
     assert [worker.exitcode for worker in workers] == [0, 0]
+
+
+def test_an_iterator_s_queues_are_released_when_its_workers_stop() -> None:
+    for config in ({"num_workers": 2}, {"num_workers": 2, "persistent_workers": True}):
+        loader = make(config)
+        for _ in range(2):  # each pass's iterator, or the persistent one across passes
+            for _ in loader:
+                assert id(_torchdata.current_iterator(loader)) in _torchdata._QUEUES_OF_LIVE_ITERATORS
+        iterator = id(_torchdata.current_iterator(loader))
+        assert (iterator in _torchdata._QUEUES_OF_LIVE_ITERATORS) is bool(config.get("persistent_workers"))
+        loader.close()
+        assert iterator not in _torchdata._QUEUES_OF_LIVE_ITERATORS
 
 
 def small() -> rs.Node:

@@ -223,6 +223,33 @@ def test_a_loader_freed_by_the_cyclic_collector_stops_its_workers_without_killin
     assert [worker.exitcode for worker in workers] == [0, 0]
 
 
+def fail_at_50(x: int) -> int:
+    if x == 50:
+        raise ValueError("record 50 is broken")
+    return x
+
+
+def failing() -> rs.Node:
+    return rs.from_list(list(range(97))).shard().map(fail_at_50).batch(4, collate_fn=np.array)
+
+
+def test_a_loader_whose_worker_raised_stops_its_workers_without_killing_them_when_collected() -> None:
+    """torch raises a worker's error again from a frame that holds it (a cycle), so the
+    iterator, whose frames the traceback passed through, is left to the cyclic collector."""
+    loader = Loader(failing, num_workers=2)
+    iterator = iter(loader)
+    workers = list(iterator._workers)
+    with pytest.raises(ValueError, match="record 50 is broken"):
+        for _ in iterator:
+            pass
+    assert all(worker.is_alive() for worker in workers)
+    del loader, iterator
+    gc.collect()
+    for worker in workers:  # torch joins each for 5 s, then terminates it: give that time to take effect
+        worker.join(timeout=20)
+    assert [worker.exitcode for worker in workers] == [0, 0]
+
+
 def test_an_iterator_s_queues_are_released_when_its_workers_stop() -> None:
     for config in ({"num_workers": 2}, {"num_workers": 2, "persistent_workers": True}):
         loader = make(config)

@@ -240,14 +240,23 @@ def corrupt(state: dict[str, Any], where: tuple[Any, ...], operation: str, repla
     return corrupted
 
 
-def check_corrupted_state(build: Build, state: dict[str, Any], corrupted: dict[str, Any]) -> None:
-    """``corrupted`` is rejected with a typed error and leaves the pipeline as it was, or it is
-    accepted and iterating on raises nothing but typed errors."""
+def items_after(build: Build, state: dict[str, Any]) -> list[Any]:
+    """The ``AFTER`` items a pipeline restored from ``state`` hands out next."""
     reference = build()
     reference.set_state(json.loads(json.dumps(state)))
     expected = take(reference, AFTER)
     reference.close()
+    return expected
 
+
+def check_corrupted_state(
+    build: Build, state: dict[str, Any], corrupted: dict[str, Any], expected: list[Any] | None = None
+) -> None:
+    """``corrupted`` is rejected with a typed error and leaves the pipeline as it was (handing
+    out ``expected``, ``items_after(build, state)``, computed here unless given), or it is
+    accepted and iterating on raises nothing but typed errors."""
+    if expected is None:
+        expected = items_after(build, state)
     pipe = build()
     pipe.set_state(json.loads(json.dumps(state)))
     try:
@@ -310,9 +319,10 @@ def test_every_entry_of_a_state_corrupted_every_way(chain: str) -> None:
     take(pipe, 5)
     state = json.loads(json.dumps(pipe.get_state()))
     pipe.close()
+    expected = items_after(build, state)
     for where in distinct_places(state):
         for operation, replacement in SWEEP:
-            check_corrupted_state(build, state, corrupt(state, where, operation, replacement))
+            check_corrupted_state(build, state, corrupt(state, where, operation, replacement), expected)
 
 
 @settings(deadline=None, max_examples=60)

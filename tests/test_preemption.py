@@ -16,7 +16,7 @@ from pathlib import Path
 from tests.watching import running, wait_until
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-STEPS = 90
+STEPS = 60
 
 
 def load_demo():  # type: ignore[no-untyped-def]  # returns the demo module

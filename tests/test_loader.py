@@ -189,6 +189,14 @@ def test_close_stops_the_workers_and_the_next_iter_continues(persistent_workers:
     assert head + tail == expected
 
 
+def exit_codes(workers: list[Any]) -> list[int | None]:
+    """Each worker's exit code once it has stopped: 0 if it took the shutdown request, -SIGTERM
+    if torch had to terminate it (torch joins each for 5 s first: give that time to take effect)."""
+    for worker in workers:
+        worker.join(timeout=20)
+    return [worker.exitcode for worker in workers]
+
+
 def failure_kept_with_a_live_loader(config: dict) -> tuple[RuntimeError, list[Any], int]:
     """A training loop that fails mid-epoch and keeps its error in a local: the error's
     traceback holds the loop's frame, which holds the error and the loader, a reference cycle
@@ -217,10 +225,7 @@ def test_a_loader_freed_by_the_cyclic_collector_stops_its_workers_without_killin
     del failure
     gc.collect()
     assert iterator not in _torchdata._QUEUES_OF_LIVE_ITERATORS  # released with the workers
-    for worker in workers:  # torch joins each for 5 s, then terminates it: give that time to take effect
-        worker.join(timeout=20)
-    # 0: the worker took the shutdown request; a worker torch had to terminate exits with -SIGTERM
-    assert [worker.exitcode for worker in workers] == [0, 0]
+    assert exit_codes(workers) == [0, 0]
 
 
 def fail_at_50(x: int) -> int:
@@ -245,9 +250,7 @@ def test_a_loader_whose_worker_raised_stops_its_workers_without_killing_them_whe
     assert all(worker.is_alive() for worker in workers)
     del loader, iterator
     gc.collect()
-    for worker in workers:  # torch joins each for 5 s, then terminates it: give that time to take effect
-        worker.join(timeout=20)
-    assert [worker.exitcode for worker in workers] == [0, 0]
+    assert exit_codes(workers) == [0, 0]
 
 
 def test_an_iterator_s_queues_are_released_when_its_workers_stop() -> None:

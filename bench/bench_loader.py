@@ -338,6 +338,8 @@ def main() -> None:
         importlib.import_module(f"{args.baseline}.torch")
     make_jsonl_corpus(DATA, CORPUS_BYTES)
     len(rs.jsonl(DATA))  # index built before timing
+    if "bpe" in args.pipelines:
+        build_bpe().close()  # its tokenizer trained and cached here, not by the first workers at once
     torch.set_num_threads(1)
     if args.in_process:
         main_in_process(args)

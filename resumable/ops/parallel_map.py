@@ -205,7 +205,7 @@ def _forkserver_imports_this_copy() -> bool:
     command = [multiprocessing.spawn.get_executable(), *flags, "-c", probe]
     try:
         found = subprocess.run(
-            command, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60, check=True
+            command, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=10, check=True
         ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return False

@@ -255,6 +255,54 @@ def test_forkserver_finding_another_copy_of_the_package_preloads_nothing(tmp_pat
     assert run_pool_script(scripts, cwd=shadow) == [(False, False, rs.__file__)] * 2
 
 
+def map_in_a_daemon(results: Any) -> None:
+    """In a daemonic process (as a DataLoader worker is): what a process-mode map raises."""
+    pipe = rs.from_list([1, 2]).map(square, num_workers=1, mode="process")
+    try:
+        next(pipe)
+        results.put("no error")
+    except Exception as error:  # noqa: BLE001 - reported to the test
+        results.put(f"{type(error).__name__}: {error}")
+
+
+def test_a_process_map_in_a_daemonic_process_is_a_config_error() -> None:
+    """multiprocessing forbids a daemonic process children (an AssertionError of its own):
+    a process-mode map there says so, and what to use instead."""
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    process = context.Process(target=map_in_a_daemon, args=(results,), daemon=True)
+    process.start()
+    outcome = results.get(timeout=60)
+    process.join()
+    assert outcome.startswith("ConfigError: ParallelMap over ")
+    assert "daemonic process" in outcome and "mode='thread'" in outcome
+
+
+@pytest.mark.parametrize("then_close", [False, True], ids=["continued", "closed"])
+def test_a_pool_that_cannot_take_tasks_raises_its_error_and_recovers(
+    monkeypatch: pytest.MonkeyPatch, then_close: bool
+) -> None:
+    """The submission of the first chunk fails twice (its retry as the read stops, too): that
+    error reaches the consumer, and the records read meanwhile are submitted again when they
+    are needed; a close() in between forgets them cleanly."""
+    submit = ParallelMap._submit
+    failures = [OSError("the pool cannot start"), OSError("the pool cannot start")]
+
+    def failing_submit(self: ParallelMap[Any], items: list[Any]) -> Any:
+        if failures:
+            raise failures.pop()
+        return submit(self, items)
+
+    monkeypatch.setattr(ParallelMap, "_submit", failing_submit)
+    pipe = rs.from_list(list(range(N))).map(square, num_workers=2)
+    with pytest.raises(OSError, match="the pool cannot start"):
+        next(pipe)
+    if then_close:
+        pipe.close()
+    assert take(pipe, N) == [x * x for x in range(N)]
+    pipe.close()
+
+
 def test_end_of_epoch_and_next_epoch() -> None:
     pipe = rs.from_list(list(range(10))).shuffle(1).map(square, num_workers=2)
     plain = rs.from_list(list(range(10))).shuffle(1).map(square)

@@ -29,6 +29,13 @@ WHERE = """
 import os
 import sys
 
+IMPORTED_IN = os.getpid()
+
+
+def imported_in_forkserver(_: object) -> bool:
+    \"\"\"In a pool worker: whether this module was imported by its parent, the forkserver.\"\"\"
+    return IMPORTED_IN == os.getppid()
+
 
 def where(_: object) -> tuple[bool, str]:
     \"\"\"In a pool worker: whether its parent, the forkserver, had pyarrow mapped (the package
@@ -38,12 +45,18 @@ def where(_: object) -> tuple[bool, str]:
 """
 
 # Runs its steps in order: chdir=FOLDER, map=N (a process map of N records over 2 workers; what
-# the workers found), forkserver (a bare forkserver process, started and joined).
+# the workers found), forkserver (a bare forkserver process, started and joined), preload=A,B
+# (the program's own preload, as a tuple; empty: none), probe=N (a process map of N records:
+# whether the workers' forkserver imported preload_where), kill-forkserver (SIGKILL it and
+# wait until it is gone; multiprocessing starts another at the next pool).
 PROGRAM = """
 import json
 import multiprocessing
+import multiprocessing.forkserver
 import os
+import signal
 import sys
+import time
 
 if os.environ.get("INSERT_COPY"):
     sys.path.insert(0, os.environ["INSERT_COPY"])  # the program imports this copy explicitly
@@ -55,6 +68,21 @@ import resumable as rs
 def pool_map(n: int) -> list[tuple[bool, str]]:
     with rs.from_list(list(range(n))).map(preload_where.where, num_workers=2, mode="process") as pipe:
         return sorted(set(pipe))
+
+
+def probe(n: int) -> list[bool]:
+    with rs.from_list(list(range(n))).map(preload_where.imported_in_forkserver, num_workers=2, mode="process") as pipe:
+        return sorted(set(pipe))
+
+
+def kill_forkserver() -> None:
+    pid = multiprocessing.forkserver._forkserver._forkserver_pid
+    os.kill(pid, signal.SIGKILL)
+    for _ in range(500):  # a zombie until multiprocessing reaps it at the next pool
+        with open(f"/proc/{pid}/stat") as stat:
+            if stat.read().rsplit(")", 1)[1].split()[0] == "Z":
+                return
+        time.sleep(0.01)
 
 
 def nothing() -> None:
@@ -69,6 +97,12 @@ if __name__ == "__main__":
             os.chdir(argument)
         elif action == "map":
             found.append(pool_map(int(argument)))
+        elif action == "preload":
+            multiprocessing.set_forkserver_preload(tuple(argument.split(",")) if argument else ())
+        elif action == "probe":
+            found.append(probe(int(argument)))
+        elif action == "kill-forkserver":
+            kill_forkserver()
         elif action == "forkserver":
             process = multiprocessing.get_context("forkserver").Process(target=nothing)
             process.start()
@@ -172,3 +206,31 @@ def test_warnings_as_errors_leave_process_maps_working(tmp_path: Path) -> None:
     (Python 3.12 and later warn there of a fork in a multi-threaded process; the warning is not
     raised)."""
     assert run_program(tmp_path, "map=2", flags=("-W", "error")) == [PRELOADED]
+
+
+def test_the_programs_own_preload_stays_listed(tmp_path: Path) -> None:
+    """A preload the program set (as a tuple, which the standard library accepts) is kept
+    beside the package: the forkserver imported both."""
+    assert run_program(tmp_path, "preload=preload_where", "probe=2", "map=2") == [[True], PRELOADED]
+
+
+def test_an_empty_preload_set_by_the_program_is_kept(tmp_path: Path) -> None:
+    """An empty list is the program's way to have the forkserver preload nothing."""
+    assert run_program(tmp_path, "preload=", "map=2") == [NOT_PRELOADED]
+
+
+def test_a_forkserver_restarted_in_a_folder_with_another_copy_preloads_nothing(tmp_path: Path) -> None:
+    """The forkserver died and the program moved into a folder holding another copy: the next
+    forkserver would import that one, so the package is taken off the list again."""
+    shadow = shadow_copy(tmp_path)
+    found = run_program(tmp_path, "map=2", "kill-forkserver", f"chdir={shadow}", "map=3")
+    assert found == [PRELOADED, NOT_PRELOADED]
+
+
+def test_a_sitecustomize_that_prints_leaves_the_preload_on(tmp_path: Path) -> None:
+    """The copy check reads the fresh interpreter's last line: a ``sitecustomize`` printing
+    first does not turn the preload off."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("print('hello from sitecustomize')\n")
+    assert run_program(tmp_path, "map=2", path_first=(str(site),)) == [PRELOADED]

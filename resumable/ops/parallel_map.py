@@ -181,36 +181,54 @@ def _preload_in_forkserver() -> None:
     """Have the forkserver import this package (with numpy and pyarrow) when it starts, so the
     workers it forks start with it loaded. Otherwise every worker of every pool imported it
     again, re-running the main script's imports: about half a second of CPU per worker, and
-    the wall time to the first result. The modules already listed (``__main__`` by default,
-    or what the program set) stay; a forkserver already running is left as it is; and nothing
-    is preloaded where the forkserver would import another copy of the package than this one.
+    the wall time to the first result.
 
-    The list is read from ``multiprocessing``'s own forkserver object, as the standard library
-    keeps it (it has no public getter); where that is missing, the default is assumed."""
+    The modules already listed stay (``__main__`` by default, or what the program set; an empty
+    list, set by the program, means no preload and is kept). A forkserver already running is
+    left as it is. Nothing is added where the forkserver would import another copy of the
+    package than this one, and what was added is taken back where it now would (a forkserver
+    restarted in another working directory). The list is read from ``multiprocessing``'s own
+    forkserver object, as the standard library keeps it (it has no public getter); where that
+    is missing, the default is assumed."""
+    global _added_to_preload
     listed = getattr(getattr(multiprocessing.forkserver, "_forkserver", None), "_preload_modules", None)
-    modules = list(listed) if isinstance(listed, list) else ["__main__"]
-    if PACKAGE not in modules and _forkserver_imports_this_copy():
+    modules = list(listed) if isinstance(listed, (list, tuple)) else ["__main__"]
+    if not modules:
+        return
+    python_environment = frozenset((name, value) for name, value in os.environ.items() if name.startswith("PYTHON"))
+    same_copy = _forkserver_imports_this_copy(os.getcwd(), python_environment)
+    if same_copy and PACKAGE not in modules:
         multiprocessing.forkserver.set_forkserver_preload([*modules, PACKAGE])
+        _added_to_preload = True
+    elif not same_copy and _added_to_preload:
+        multiprocessing.forkserver.set_forkserver_preload([name for name in modules if name != PACKAGE])
+        _added_to_preload = False
+
+
+_added_to_preload = False
+"""Whether ``_preload_in_forkserver`` put the package on the forkserver's list (and may take it off)."""
 
 
 @functools.lru_cache(maxsize=None)
-def _forkserver_imports_this_copy() -> bool:
+def _forkserver_imports_this_copy(cwd: str, python_environment: frozenset[tuple[str, str]]) -> bool:
     """Whether an interpreter started as the forkserver is (same executable, flags, working
-    directory and environment, its own ``sys.path``) finds this copy of the package. One that
-    found another (a checkout on this program's ``sys.path``, another version installed) would
-    hand that copy to every worker. Asked once per process, of a fresh interpreter (tens of ms)."""
+    directory ``cwd`` and environment, of which the ``PYTHON*`` variables shape its
+    ``sys.path``) finds this copy of the package. One that found another (a checkout on this
+    program's ``sys.path``, another version installed) would hand that copy to every worker.
+    Asked of a fresh interpreter (about 50 ms), once per working directory and environment."""
     probe = f"import importlib.util; spec = importlib.util.find_spec({PACKAGE!r}); print(spec and spec.origin)"
     # the interpreter and flags multiprocessing starts the forkserver with (its own helper, private)
     flags: list[str] = getattr(multiprocessing.util, "_args_from_interpreter_flags", list)()
     command = [multiprocessing.spawn.get_executable(), *flags, "-c", probe]
     try:
-        found = subprocess.run(
-            command, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=10, check=True
-        ).stdout.strip()
+        printed = subprocess.run(
+            command, cwd=cwd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.splitlines()
     except (OSError, subprocess.SubprocessError):
         return False
     this = sys.modules[PACKAGE].__file__
-    return this is not None and os.path.realpath(found) == os.path.realpath(this)
+    # the last line: a sitecustomize may print before the probe does
+    return bool(printed) and this is not None and os.path.realpath(printed[-1]) == os.path.realpath(this)
 
 
 def _with_cause(failure: tuple[Exception, str | None]) -> Exception:
@@ -228,7 +246,7 @@ class _Chunk:
 
     def __init__(self) -> None:
         self.items: list[Any] = []
-        self.future: Future[Outcome]  # set when the chunk is submitted, before _fill returns
+        self.future: Future[Outcome] | None = None  # set when the chunk is submitted (unless that failed)
         self.results: list[Any] | None = None
         self.failures: Failures = None
 
@@ -324,6 +342,8 @@ class ParallelMap(ReadAhead[U]):
     def _resolve(self, chunk: _Chunk) -> None:
         """Wait for ``chunk``'s task and keep its outcome; the next chunks grow."""
         try:
+            if chunk.future is None:  # its submission failed (the pool could not start): again
+                chunk.future = self._submit(chunk.items)
             chunk.results, chunk.failures = chunk.future.result()
         except BrokenExecutor:
             raise  # the pool died (a worker was killed): not an error of fn on these records
@@ -389,6 +409,13 @@ class ParallelMap(ReadAhead[U]):
             if self.mode == THREAD:
                 pool = ThreadPoolExecutor(self.num_workers, thread_name_prefix=name)
             else:
+                if multiprocessing.current_process().daemon:
+                    raise ConfigError(
+                        f"{self.kind} over {self.upstream!r}: mode='process' cannot start a pool in a daemonic "
+                        "process (a DataLoader worker, whose children multiprocessing forbids); use mode='thread' "
+                        "there (batched=True for a tokenizer's encode_batch), or let the DataLoader's workers be the "
+                        "processes"
+                    )
                 _preload_in_forkserver()
                 context = multiprocessing.get_context(PROCESS_START_METHOD)
                 pool = ProcessPoolExecutor(
@@ -403,7 +430,7 @@ class ParallelMap(ReadAhead[U]):
         again from chunks of one record."""
         ran_ahead = bool(self._window)
         for kind, payload, _, _, _ in self._window:
-            if kind == _RESULT:
+            if kind == _RESULT and payload.future is not None:
                 payload.future.cancel()
         self._window.clear()
         self._upstream_done = False

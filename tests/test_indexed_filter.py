@@ -4,11 +4,12 @@ shuffle, shard, len() and elastic resume work after the filter, and resumes stay
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import pickle
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -160,6 +161,29 @@ def test_parallel_scan_gives_the_same_index(monkeypatch: pytest.MonkeyPatch) -> 
     parallel = rs.from_list(records).filter(keep, index=True, num_proc=2, progress=False)
     assert isinstance(serial, IndexedFilter) and isinstance(parallel, IndexedFilter)
     assert np.array_equal(serial.kept, parallel.kept) and parallel.kept.dtype == np.uint32
+
+
+def kept_in_a_daemon(records: list[dict[str, int]], results: Any) -> None:
+    """In a daemonic process (as a DataLoader worker is): the index of a two-process scan."""
+    try:
+        node = rs.from_list(records).filter(keep, index=True, num_proc=2, progress=False)
+        results.put(cast(IndexedFilter, node).kept.tolist())
+    except Exception as error:  # noqa: BLE001 - reported to the test
+        results.put(f"{type(error).__name__}: {error}")
+
+
+def test_parallel_scan_in_a_daemonic_process_scans_there(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A DataLoader worker may not start processes: its scan runs in it, to the same index."""
+    monkeypatch.setattr(indexed_filter, "TASK_RECORDS", 50)
+    records = [{"id": i, "length": (i * 7919) % 23} for i in range(1000)]
+    serial = rs.from_list(records).filter(keep, index=True, progress=False)
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    process = context.Process(target=kept_in_a_daemon, args=(records, results), daemon=True)
+    process.start()
+    kept = results.get(timeout=60)
+    process.join()
+    assert kept == cast(IndexedFilter, serial).kept.tolist()
 
 
 @pytest.mark.parametrize("num_proc", [0, 2])

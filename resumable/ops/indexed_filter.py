@@ -312,7 +312,8 @@ class IndexedFilter(IndexedNode[T]):
         total = len(self.upstream)
         job: _Job = (self.upstream, self.predicate, self.batched, self.upstream.leaf.skips_malformed, _dtype(total))
         bar = functools.partial(tqdm, total=total, disable=not self.progress, desc=f"{self.kind}: indexing", unit="rec")
-        if self.num_proc == 0 or total <= TASK_RECORDS:
+        # a daemonic process (a DataLoader worker) may not start children: it scans itself
+        if self.num_proc == 0 or total <= TASK_RECORDS or multiprocessing.current_process().daemon:
             with bar() as shown:
                 kept = _kept_in(job, 0, total, shown)
         else:

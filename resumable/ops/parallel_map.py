@@ -341,9 +341,9 @@ class ParallelMap(ReadAhead[U]):
 
     def _resolve(self, chunk: _Chunk) -> None:
         """Wait for ``chunk``'s task and keep its outcome; the next chunks grow."""
+        if chunk.future is None:  # its submission failed (the pool could not start): again
+            chunk.future = self._submit(chunk.items)
         try:
-            if chunk.future is None:  # its submission failed (the pool could not start): again
-                chunk.future = self._submit(chunk.items)
             chunk.results, chunk.failures = chunk.future.result()
         except BrokenExecutor:
             raise  # the pool died (a worker was killed): not an error of fn on these records

@@ -299,6 +299,10 @@ def test_a_pool_that_cannot_take_tasks_raises_its_error_and_recovers(
         next(pipe)
     if then_close:
         pipe.close()
+    else:  # the retry fails too: its own error, as it is
+        failures.append(OSError("the pool still cannot start"))
+        with pytest.raises(OSError, match="the pool still cannot start"):
+            next(pipe)
     assert take(pipe, N) == [x * x for x in range(N)]
     pipe.close()
 

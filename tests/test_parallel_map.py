@@ -3,15 +3,10 @@ flight, errors naming the record's key, clean pool shutdown."""
 
 from __future__ import annotations
 
-import ast
 import gc
 import multiprocessing
-import os
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -181,78 +176,6 @@ def test_fn_is_sent_once_per_worker_process() -> None:
     assert take(pipe, 3) == [0, 1, 4]
     pipe.close()
     assert CountedSquare.pickled <= 1 + 2  # the check at construction, then once per worker
-
-
-PRELOAD_PROBE = """
-import os
-import sys
-
-IMPORTED_IN = os.getpid()
-
-
-def where_loaded(_: object) -> tuple[bool, bool, str]:
-    \"\"\"In a pool worker: whether this module, and pyarrow's library, were loaded by the
-    worker's parent, the forkserver, before it forked the worker; and the package's file.\"\"\"
-    with open(f"/proc/{os.getppid()}/maps") as maps:
-        return IMPORTED_IN == os.getppid(), "libarrow" in maps.read(), sys.modules["resumable"].__file__
-"""
-
-POOL_SCRIPT = """
-import multiprocessing
-import sys
-
-import preload_probe
-import resumable as rs
-
-if __name__ == "__main__":
-    if len(sys.argv) > 1:
-        multiprocessing.set_forkserver_preload(sys.argv[1:])  # the program's own preload
-    with rs.from_list([0, 1]).map(preload_probe.where_loaded, num_workers=1, mode="process") as pipe:
-        print(list(pipe))
-"""
-
-
-def run_pool_script(folder: Path, *preload: str, cwd: Path | None = None) -> list[tuple[bool, bool, str]]:
-    """Run ``POOL_SCRIPT`` (beside ``PRELOAD_PROBE``) in a fresh interpreter: what each of the
-    two records' worker found."""
-    (folder / "preload_probe.py").write_text(PRELOAD_PROBE)
-    (folder / "pool_script.py").write_text(POOL_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(folder), *sys.path])}
-    run = subprocess.run(
-        [sys.executable, str(folder / "pool_script.py"), *preload],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert run.returncode == 0, run.stderr
-    found: list[tuple[bool, bool, str]] = ast.literal_eval(run.stdout)
-    return found
-
-
-needs_proc_maps = pytest.mark.skipif(
-    not os.path.exists("/proc/self/maps"), reason="reads a process's mapped libraries in /proc"
-)
-
-
-@needs_proc_maps
-def test_process_pool_workers_start_with_the_package_loaded(tmp_path: Path) -> None:
-    """The forkserver imports the package before it forks the workers (each imported it again
-    otherwise, half a second of CPU), and keeps the modules the program asked it to preload."""
-    assert run_pool_script(tmp_path, "preload_probe") == [(True, True, rs.__file__)] * 2
-
-
-@needs_proc_maps
-def test_forkserver_finding_another_copy_of_the_package_preloads_nothing(tmp_path: Path) -> None:
-    """Started in a folder holding another ``resumable``, the forkserver would import that one
-    first and hand it to every worker: it is left bare, and the workers import this copy."""
-    shadow = tmp_path / "shadow"
-    (shadow / "resumable").mkdir(parents=True)
-    (shadow / "resumable" / "__init__.py").write_text("")
-    scripts = tmp_path / "scripts"
-    scripts.mkdir()
-    assert run_pool_script(scripts, cwd=shadow) == [(False, False, rs.__file__)] * 2
 
 
 def map_in_a_daemon(results: Any) -> None:

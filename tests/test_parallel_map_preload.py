@@ -46,7 +46,8 @@ def where(_: object) -> tuple[bool, str]:
 
 # Runs its steps in order: chdir=FOLDER, map=N (a process map of N records over 2 workers; what
 # the workers found), forkserver (a bare forkserver process, started and joined), preload=A,B
-# (the program's own preload, as a tuple; empty: none), probe=N (a process map of N records:
+# (the program's own preload, as a list; empty: none), preload-tuple=A,B (the same as a tuple),
+# probe=N (a process map of N records:
 # whether the workers' forkserver imported preload_where), kill-forkserver (SIGKILL it and
 # wait until it is gone; multiprocessing starts another at the next pool).
 PROGRAM = """
@@ -98,6 +99,8 @@ if __name__ == "__main__":
         elif action == "map":
             found.append(pool_map(int(argument)))
         elif action == "preload":
+            multiprocessing.set_forkserver_preload(argument.split(",") if argument else [])
+        elif action == "preload-tuple":
             multiprocessing.set_forkserver_preload(tuple(argument.split(",")) if argument else ())
         elif action == "probe":
             found.append(probe(int(argument)))
@@ -170,6 +173,12 @@ def test_moving_into_a_folder_with_another_copy_before_the_first_map_preloads_no
     assert run_program(tmp_path, f"chdir={shadow}", "map=2", "map=3") == [NOT_PRELOADED, NOT_PRELOADED]
 
 
+def test_a_program_started_in_a_folder_with_another_copy_preloads_nothing(tmp_path: Path) -> None:
+    """The same, for a program started there: the workers import the program's copy."""
+    shadow = shadow_copy(tmp_path)
+    assert run_program(tmp_path, "map=2", cwd=shadow) == [NOT_PRELOADED]
+
+
 def test_moving_into_a_folder_with_another_copy_after_the_first_map_keeps_this_copy(tmp_path: Path) -> None:
     """The forkserver, already running, keeps the copy it preloaded for later pools."""
     shadow = shadow_copy(tmp_path)
@@ -208,10 +217,11 @@ def test_warnings_as_errors_leave_process_maps_working(tmp_path: Path) -> None:
     assert run_program(tmp_path, "map=2", flags=("-W", "error")) == [PRELOADED]
 
 
-def test_the_programs_own_preload_stays_listed(tmp_path: Path) -> None:
-    """A preload the program set (as a tuple, which the standard library accepts) is kept
-    beside the package: the forkserver imported both."""
-    assert run_program(tmp_path, "preload=preload_where", "probe=2", "map=2") == [[True], PRELOADED]
+@pytest.mark.parametrize("step", ["preload", "preload-tuple"], ids=["list", "tuple"])
+def test_the_programs_own_preload_stays_listed(tmp_path: Path, step: str) -> None:
+    """A preload the program set (a list, or a tuple, which the standard library accepts too)
+    is kept beside the package: the forkserver imported both."""
+    assert run_program(tmp_path, f"{step}=preload_where", "probe=2", "map=2") == [[True], PRELOADED]
 
 
 def test_an_empty_preload_set_by_the_program_is_kept(tmp_path: Path) -> None:

@@ -142,7 +142,7 @@ class RowFormat:
             starts.append(used)
             used = cost_end
         if not per_segment:
-            self._number_segments(segments, starts, used, position_ids, document_ids)
+            self._number_segments(segments, starts, used, ramp, position_ids, document_ids)
         padding = seq_len - used
         input_ids[used:] = pad
         labels[used:] = IGNORE_INDEX
@@ -172,18 +172,20 @@ class RowFormat:
         segments: Sequence[Segment],
         starts: list[int],
         used: int,
+        ramp: np.ndarray,
         position_ids: np.ndarray,
         document_ids: np.ndarray,
     ) -> None:
         """``position_ids`` and ``document_ids`` of the first ``used`` positions of a row of
-        many segments (which begin at ``starts``), each in one pass over the row."""
+        many segments (which begin at ``starts``), each in one pass over the row (``ramp``:
+        ``_ramp(seq_len)``)."""
         count = len(segments)
         bounds = np.array([*starts, used], dtype=np.int64)
         lengths = np.diff(bounds)
         shift = bounds[:-1]
         if self.continue_positions:
             shift = shift - np.fromiter((start for _, start, _ in segments), dtype=np.int64, count=count)
-        np.subtract(_ramp(self.seq_len)[:used], np.repeat(shift, lengths), out=position_ids[:used])
+        np.subtract(ramp[:used], np.repeat(shift, lengths), out=position_ids[:used])
         document_ids[:used] = np.repeat(np.arange(1, count + 1, dtype=np.int32), lengths)
 
     def _payloads(self, segments: Sequence[Segment], starts: list[int]) -> dict[str, Any]:

@@ -244,3 +244,14 @@ def test_a_sitecustomize_that_prints_leaves_the_preload_on(tmp_path: Path) -> No
     site.mkdir()
     (site / "sitecustomize.py").write_text("print('hello from sitecustomize')\n")
     assert run_program(tmp_path, "map=2", path_first=(str(site),)) == [PRELOADED]
+
+
+def test_the_standard_library_internals_the_preload_reads_are_there() -> None:
+    """``ParallelMap`` reads the forkserver's preload list and the interpreter flags it is
+    started with from ``multiprocessing``'s private names (with fallbacks): fail here, by name,
+    if a Python release renames them."""
+    import multiprocessing.forkserver
+    import multiprocessing.util
+
+    assert isinstance(multiprocessing.forkserver._forkserver._preload_modules, (list, tuple))
+    assert isinstance(multiprocessing.util._args_from_interpreter_flags(), list)

@@ -9,6 +9,8 @@ as a crashing or careless trainer does; the interpreter must not hang on them.
   runs when the worker dies, which under CPU load can be any line after the ``kill``.
 - ``wrong_state``: a state from another pipeline fails in the workers at start-up; the error
   (and with it the half-built iterator) is kept until exit.
+- ``global`` and ``global_persistent``: the loader and its live iterator are the script's
+  globals, deleted only as the interpreter clears its modules.
 """
 
 from __future__ import annotations
@@ -62,5 +64,9 @@ if __name__ == "__main__":
     mode = sys.argv[1]
     if mode == "wrong_state":
         kept = restore_a_wrong_state()
+    elif mode.startswith("global"):
+        loader = Loader(build, num_workers=2, persistent_workers=mode == "global_persistent")
+        iterator = iter(loader)
+        print(f"batch {[int(x) for x in next(iterator)]}", flush=True)
     else:
         signal_a_worker(mode)

@@ -1,5 +1,5 @@
 """Loader workers and SIGTERM: a scheduler's SIGTERM is ignored, the trainer's is obeyed, and a
-process that exits with live workers does not hang."""
+process that exits with live workers neither hangs nor prints errors."""
 
 from __future__ import annotations
 
@@ -20,9 +20,15 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="wo
 
 
 def run_job(mode: str) -> list[str]:
-    job = subprocess.Popen([sys.executable, str(JOB), mode], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    job = subprocess.Popen(
+        [sys.executable, str(JOB), mode],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert job.stdin is not None and job.stdout is not None
-    if mode != "wrong_state":
+    if mode in ("other", "parent"):
         worker_pids = [int(pid) for pid in job.stdout.readline().split()]
         assert len(worker_pids) == 2
         if mode == "other":
@@ -31,11 +37,12 @@ def run_job(mode: str) -> list[str]:
         job.stdin.write("go\n")
         job.stdin.flush()
     try:
-        output, _ = job.communicate(timeout=EXIT_LIMIT_S)
+        output, errors = job.communicate(timeout=EXIT_LIMIT_S)
     except subprocess.TimeoutExpired:
         job.kill()
         pytest.fail("the job hung at exit with live Loader workers")
-    assert job.returncode == 0, output
+    assert job.returncode == 0, output + errors
+    assert "Traceback" not in errors and "Exception ignored" not in errors, errors
     return output.splitlines()
 
 
@@ -50,3 +57,10 @@ def test_sigterm_from_the_trainer_stops_the_worker() -> None:
 
 def test_a_failed_restore_in_the_workers_does_not_hang_the_exit() -> None:
     assert run_job("wrong_state") == ["StateError"]
+
+
+@pytest.mark.parametrize("mode", ["global", "global_persistent"])
+def test_a_live_iterator_held_in_a_script_s_globals_exits_cleanly(mode: str) -> None:
+    """The iterator is deleted after the interpreter has cleared the modules' globals: its
+    shutdown must not reach for one (it printed an AttributeError from ``__del__``)."""
+    assert run_job(mode) == ["batch [0, 2, 4, 6]"]

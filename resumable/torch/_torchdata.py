@@ -128,15 +128,19 @@ class _MultiProcessIterator(_Bounded, _StatefulMultiProcessingDataLoaderIter):  
     sets them as the pass starts and as a restoring iterator starts), so they are read once per pass.
     """
 
+    # The registry, reached through the class: an iterator still alive when the interpreter
+    # exits (a script's global) is deleted after the module's globals are cleared.
+    _live_queues = _QUEUES_OF_LIVE_ITERATORS
+
     def _shutdown_workers(self) -> None:
         try:
             super()._shutdown_workers()
         finally:
-            _QUEUES_OF_LIVE_ITERATORS.pop(id(self), None)
+            self._live_queues.pop(id(self), None)
 
     def _reset(self, loader: Any, first_iter: bool = False, prime_prefetch: bool = True) -> None:
         # torchdata's __init__ resets once its workers have started, before it restores
-        _QUEUES_OF_LIVE_ITERATORS[id(self)] = (self._index_queues, self._worker_result_queue)
+        self._live_queues[id(self)] = (self._index_queues, self._worker_result_queue)
         # Before torchdata's reset, which sends the first indices of the pass.
         self._sampler_counts: dict[int, int] = {}  # send index -> _sampler_iter_yielded when it was sent
         self._as_of_batch: _AsOfBatch | None = None  # what the snapshot holds as of the last batch handed out

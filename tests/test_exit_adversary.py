@@ -6,7 +6,9 @@ Each case runs one job (below) in a fresh interpreter, in its own session so tha
 it started can be found in ``/proc`` after it exits. A job holds many live things at once (a
 prefetch thread, thread and process pools, a disk cache, JSONL, Parquet and stream sources, an
 ``.even()``, ``rs.torch.Loader`` with 0, 1 and 2 workers, persistent or not), in globals, in
-locals, in reference cycles and in ``with`` blocks, and then exits one way.
+locals, in reference cycles and in ``with`` blocks, and then exits one way: it falls off the end
+(also under ``-W error -X dev``), calls ``sys.exit``, raises, takes a SIGINT (its own, a parent's at
+a random moment, or its process group's as a terminal's Ctrl-C sends it), or is killed.
 """
 
 from __future__ import annotations
@@ -162,10 +164,30 @@ def resume_after_interrupt(name, wait_for_parent):
     return obj
 
 
+def group_interrupt(name):
+    """Ctrl-C as a terminal sends it, SIGINT to the whole process group (the pool's workers too),
+    after K items; the handler takes the state; iterating on the same pipeline continues exactly,
+    and so does a fresh one restored from the state."""
+    reference = [plain(x) for x in PIPELINES[name]()]
+    obj, got = PIPELINES[name](), []
+    try:
+        for item in obj:
+            got.append(plain(item))
+            if len(got) == K:
+                os.killpg(os.getpgrp(), signal.SIGINT)
+        while True:
+            time.sleep(0.01)
+    except KeyboardInterrupt:
+        state = state_of(obj)
+    same = got + [plain(x) for x in obj]
+    fresh = got + [plain(x) for x in restored(name, state)]
+    say(f"group interrupt {name}:", "exact" if same == reference == fresh else "WRONG")
+
+
 def hold_everything(dev_mode):
     """Live things of every kind, held every way, as a careless training script leaves them: one
     process pool live, one in a reference cycle (a kept exception's traceback), one closed."""
-    skipped = {"batched_process_map", "stream"} if dev_mode else {"batched_process_map"}
+    skipped = {"batched_process_map"}
     held = {name: started(name) for name in PIPELINES if name not in skipped}
     held["cycle"] = Box(*started("thread_map"), *started("loader2_persistent"))
     try:
@@ -206,8 +228,12 @@ if __name__ == "__main__":
         KEPT = [resume_after_interrupt(name, False) for name in PIPELINES if name != "batched_process_map"]
     elif MODE in ("parent_interrupt_process_map", "parent_interrupt_loader2"):
         KEPT = resume_after_interrupt(MODE.removeprefix("parent_interrupt_"), True)
-    elif MODE == "sigterm":
-        KEPT = [started(name) for name in ("prefetch", "thread_map", "disk_cache", "loader2", "loader2_persistent")]
+    elif MODE == "group_interrupt":
+        for name in ("process_map", "batched_process_map"):
+            group_interrupt(name)
+    elif MODE == "killed":
+        names = ("prefetch", "thread_map", "process_map", "disk_cache", "stream", "loader2", "loader2_persistent")
+        KEPT = [started(name) for name in names]
         say("READY")
         while True:
             time.sleep(0.01)
@@ -346,9 +372,18 @@ def test_a_sigint_at_a_random_moment_resumes_exactly(job: Path, mode: str) -> No
     assert_quiet(errors)
 
 
-def test_sigterm_to_a_script_with_threads_and_loader_workers_leaves_no_process(job: Path) -> None:
-    """The default SIGTERM action: no Python code runs, and the Loader's workers still go
-    (process-mode maps are not in this job: their pools outlive a killed script today)."""
-    returncode, output, errors = run_job(job, "sigterm", send=signal.SIGTERM)
-    assert returncode == -signal.SIGTERM, output + errors
-    assert errors == "", errors
+@pytest.mark.parametrize("sent", [signal.SIGTERM, signal.SIGKILL])
+def test_a_killed_script_leaves_no_process(job: Path, sent: signal.Signals) -> None:
+    """No Python code runs (SIGTERM's default action, or SIGKILL), and still every worker goes:
+    the Loader's, and a process map's pool with the fork server that forked it."""
+    returncode, output, errors = run_job(job, "killed", send=sent)
+    assert returncode == -sent, output + errors
+    assert "Traceback" not in errors, errors  # the resource tracker may warn of a leaked semaphore
+
+
+def test_ctrl_c_to_the_process_group_leaves_process_maps_quiet_and_usable(job: Path) -> None:
+    returncode, output, errors = run_job(job, "group_interrupt")
+    assert returncode == 0, output + errors
+    expected = [f"group interrupt {name}: exact" for name in ("process_map", "batched_process_map")]
+    assert output.splitlines() == [*expected, "exiting"], output
+    assert_quiet(errors)

@@ -33,8 +33,8 @@ from multiprocessing.synchronize import Event
 from typing import Any, Iterator
 
 import resumable as rs
+from resumable._worker_signals import Trainer, _take_signals, init_worker
 from resumable.torch import Loader
-from resumable.torch._worker_signals import Trainer, _take_signals, init_worker
 
 DOCUMENTS = 10_000
 HANG_GUARD_S = 120  # a hang guard, not a speed check: orphans exit within milliseconds

@@ -39,6 +39,7 @@ import numpy as np
 import xxhash
 from tqdm import tqdm
 
+from resumable._worker_signals import init_pool_worker
 from resumable.checkpoint import NO_LOCKS, write_atomically
 from resumable.core.indexed import MAX_CHUNK, IndexedNode
 from resumable.errors import ConfigError, SourceError
@@ -168,8 +169,10 @@ def _beside(sidecar: str, suffix: str) -> str:
 
 
 def _adopt(job: _Job) -> None:
-    """Worker process initialiser: the scan it serves (inherited as it is under fork)."""
+    """Worker process initialiser: the scan it serves (inherited as it is under fork); the
+    worker leaves Ctrl-C to the trainer and dies with it (``init_pool_worker``)."""
     global _JOB
+    init_pool_worker()
     _JOB = job
 
 

@@ -31,6 +31,7 @@ from typing import Any, Callable, Optional, Sequence, TypeVar, cast
 
 import numpy as np
 
+from resumable._worker_signals import init_pool_worker
 from resumable.core.keys import RecordKey
 from resumable.core.node import Node
 from resumable.errors import ConfigError, ResumableError
@@ -167,8 +168,10 @@ _worker_batched = False
 
 
 def _install_fn(fn: Callable[[Any], Any], batched: bool) -> None:
-    """Pool initializer: keep ``fn`` for every task of this worker process."""
+    """Pool initializer: keep ``fn`` for every task of this worker process (which leaves Ctrl-C
+    to the trainer and dies with it: ``init_pool_worker``)."""
     global _worker_fn, _worker_batched
+    init_pool_worker()
     _worker_fn, _worker_batched = fn, batched
 
 

@@ -19,6 +19,7 @@ import gzip
 import io
 import logging
 import os
+import weakref
 from functools import partial
 from typing import Any, Mapping, Sequence
 
@@ -120,6 +121,8 @@ class JsonlStream(Node[Any]):
         self._queue: list[list[int]] | None = None  # [file, offset, line] work items; None: not yet assigned
         self._next_queue: list[list[int]] | None = None  # the next epoch's, after a rescale; None: its share
         self._handle: io.BufferedIOBase | None = None
+        # Closes the handle if this node is collected (or the interpreter exits) with it open.
+        self._handle_closer: weakref.finalize[..., JsonlStream] | None = None
         self._last: RecordKey | None = None
         self.skipped = 0
 
@@ -194,7 +197,7 @@ class JsonlStream(Node[Any]):
         self._files.check(file)
         path = self.paths[file]
         handle, reached = self._open_at(file, offset)
-        self._handle = handle
+        self._handle, self._handle_closer = handle, weakref.finalize(self, handle.close)
         if reached != offset:
             self._close_handle()
             raise StateError(
@@ -222,8 +225,10 @@ class JsonlStream(Node[Any]):
 
     def _close_handle(self) -> None:
         if self._handle is not None:
+            if self._handle_closer is not None:
+                self._handle_closer.detach()
             self._handle.close()
-            self._handle = None
+            self._handle, self._handle_closer = None, None
 
     def _reject(self, file: int, line: int, error: Exception) -> None:
         where = f"{self.paths[file]}:{line}"
@@ -400,7 +405,7 @@ class JsonlStream(Node[Any]):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_handle"] = None
+        state["_handle"] = state["_handle_closer"] = None
         return state
 
 

@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence, cast
 
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from resumable._worker_signals import init_worker
 from resumable.core.state import check_json
 from resumable.errors import ConfigError, StateError
 from resumable.loader_state import (
@@ -33,7 +34,6 @@ from resumable.loader_state import (
 from resumable.ops.even import holds_even
 from resumable.order.topology import distributed_rank
 from resumable.torch import _torchdata
-from resumable.torch._worker_signals import init_worker
 from resumable.torch.dataset import CollateBatch, PipelineDataset, PipelineOrFactory
 from resumable.torch.elastic import factory_of, rescale_for_rank
 

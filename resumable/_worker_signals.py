@@ -1,7 +1,9 @@
-"""Signals inside DataLoader workers: a worker dies with its trainer, and while the trainer
-lives it obeys only the trainer's SIGTERM (Linux).
+"""Signals inside worker processes: a worker dies with its trainer; a DataLoader worker, while
+the trainer lives, obeys only the trainer's SIGTERM (Linux); a process pool's worker leaves
+Ctrl-C to the trainer.
 
-The trainer is the process that started the worker (the one iterating the loader). torch's
+The trainer is the process that started the worker (the one iterating the loader, or the
+pipeline whose map or index scan owns the pool). torch's
 own watchdog in the worker compares ``getppid()`` with the parent it first sees *after*
 ``worker_init_fn`` and the restore ran, so a trainer killed during worker start-up (or any
 time under a fork server) leaves workers that wait for work for ever, and a worker that
@@ -80,7 +82,8 @@ def watch_trainer(trainer: Trainer, ignore_others_sigterm: bool) -> None:
         waited.add(PARENT_DEATH_SIGNAL)
     signal.pthread_sigmask(signal.SIG_BLOCK, waited)  # first: threads inherit the mask
     if trainer.via_fork_server:
-        _start_thread(_die_when_sentinel_closes, trainer)
+        if trainer.process is not None:
+            _start_thread(_die_when_sentinel_closes, trainer.process)
     else:
         _set_parent_death_signal(PARENT_DEATH_SIGNAL)
     if trainer.gone():  # before the watch was armed: now, not at some later moment
@@ -89,15 +92,30 @@ def watch_trainer(trainer: Trainer, ignore_others_sigterm: bool) -> None:
         _start_thread(_take_signals, trainer, waited)
 
 
+def init_pool_worker() -> None:
+    """Initializer of every worker of the library's process pools (``ParallelMap`` in process
+    mode, ``IndexedFilter``'s scan): SIGINT ignored, and death with the trainer.
+
+    A terminal's Ctrl-C sends SIGINT to the whole process group: a worker that took it would
+    raise ``KeyboardInterrupt`` inside ``fn``, and the chunks in flight would carry it back after
+    the trainer's own handler had run, so iterating on would fail. A trainer killed outright runs
+    no shutdown, and the pool's workers, blocked on queues they hold open themselves (and the fork
+    server that forked them), would wait for ever; the trainer's sentinel tells them, forked by a
+    fork server or by the trainer alike."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    trainer = multiprocessing.parent_process()
+    if trainer is not None:
+        _start_thread(_die_when_sentinel_closes, trainer)
+
+
 def _start_thread(target: Callable[..., None], *args: object) -> None:
     name = f"resumable-{target.__name__.lstrip('_')}"
     threading.Thread(target=target, args=args, name=name, daemon=True).start()
 
 
-def _die_when_sentinel_closes(trainer: Trainer) -> None:
-    if trainer.process is not None:
-        trainer.process.join()  # waits on the sentinel: returns once the trainer has exited
-        _die()
+def _die_when_sentinel_closes(trainer: BaseProcess) -> None:
+    trainer.join()  # waits on the sentinel: returns once the trainer has exited (at once if it has)
+    _die()
 
 
 def _take_signals(trainer: Trainer, waited: set[int]) -> None:

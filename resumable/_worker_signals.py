@@ -1,6 +1,5 @@
-"""Signals inside worker processes: a worker dies with its trainer; a DataLoader worker, while
-the trainer lives, obeys only the trainer's SIGTERM (Linux); a process pool's worker leaves
-Ctrl-C to the trainer.
+"""Signals inside worker processes: a worker dies with its trainer and leaves Ctrl-C to it; a
+DataLoader worker, while the trainer lives, obeys only the trainer's SIGTERM (Linux).
 
 The trainer is the process that started the worker (the one iterating the loader, or the
 pipeline whose map or index scan owns the pool). torch's
@@ -32,7 +31,10 @@ PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def init_worker(user_init: Callable[[int], None] | None, worker_id: int, *, ignore_others_sigterm: bool) -> None:
-    """``worker_init_fn`` of ``Loader``: tie the worker to its trainer, then run the user's own."""
+    """``worker_init_fn`` of ``Loader``: leave Ctrl-C to the trainer (as ``init_pool_worker``
+    does; torch's workers otherwise exit on it, and the iterator then fails on its next batch),
+    tie the worker to its trainer, then run the user's own."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if LINUX:
         watch_trainer(Trainer.of_this_process(), ignore_others_sigterm)
     if user_init is not None:

@@ -164,14 +164,18 @@ def resume_after_interrupt(name, wait_for_parent):
     return obj
 
 
+GROUP_INTERRUPTED = ("process_map", "batched_process_map", "loader2", "loader2_persistent")
+
+
 def group_interrupt(name):
     """Ctrl-C as a terminal sends it, SIGINT to the whole process group (the pool's workers too),
-    after K items; the handler takes the state; iterating on the same pipeline continues exactly,
-    and so does a fresh one restored from the state."""
+    after K items; the handler takes the state; iterating on (the same pipeline, or the Loader's
+    same iterator) continues exactly, and so does a fresh one restored from the state."""
     reference = [plain(x) for x in PIPELINES[name]()]
     obj, got = PIPELINES[name](), []
+    iterator = iter(obj)  # a Loader's: iter(loader) again would start a new epoch
     try:
-        for item in obj:
+        for item in iterator:
             got.append(plain(item))
             if len(got) == K:
                 os.killpg(os.getpgrp(), signal.SIGINT)
@@ -179,7 +183,7 @@ def group_interrupt(name):
             time.sleep(0.01)
     except KeyboardInterrupt:
         state = state_of(obj)
-    same = got + [plain(x) for x in obj]
+    same = got + [plain(x) for x in iterator]
     fresh = got + [plain(x) for x in restored(name, state)]
     say(f"group interrupt {name}:", "exact" if same == reference == fresh else "WRONG")
 
@@ -229,7 +233,7 @@ if __name__ == "__main__":
     elif MODE in ("parent_interrupt_process_map", "parent_interrupt_loader2"):
         KEPT = resume_after_interrupt(MODE.removeprefix("parent_interrupt_"), True)
     elif MODE == "group_interrupt":
-        for name in ("process_map", "batched_process_map"):
+        for name in GROUP_INTERRUPTED:
             group_interrupt(name)
     elif MODE == "killed":
         names = ("prefetch", "thread_map", "process_map", "disk_cache", "stream", "loader2", "loader2_persistent")
@@ -381,9 +385,10 @@ def test_a_killed_script_leaves_no_process(job: Path, sent: signal.Signals) -> N
     assert "Traceback" not in errors, errors  # the resource tracker may warn of a leaked semaphore
 
 
-def test_ctrl_c_to_the_process_group_leaves_process_maps_quiet_and_usable(job: Path) -> None:
+def test_ctrl_c_to_the_process_group_leaves_process_maps_and_loaders_quiet_and_usable(job: Path) -> None:
     returncode, output, errors = run_job(job, "group_interrupt")
     assert returncode == 0, output + errors
-    expected = [f"group interrupt {name}: exact" for name in ("process_map", "batched_process_map")]
-    assert output.splitlines() == [*expected, "exiting"], output
+    lines = output.splitlines()
+    assert lines[-1] == "exiting" and len(lines) == 5, output  # process maps (2) and loaders (2)
+    assert all(line.startswith("group interrupt") and line.endswith(": exact") for line in lines[:-1]), output
     assert_quiet(errors)

@@ -63,6 +63,8 @@ class Loader(StatefulDataLoader):  # type: ignore[misc]  # torchdata is untyped 
     Linux): a scheduler that preempts a job sends it to every process, and the trainer, not
     its workers, decides when to stop, typically after saving a checkpoint. Workers still
     exit when the loader shuts them down (its SIGTERM is obeyed) or when the trainer dies.
+    They ignore SIGINT (a terminal's Ctrl-C reaches the whole process group): the trainer alone
+    is interrupted, and iterating on afterwards continues exactly.
     """
 
     next_iter_state: dict[str, Any] | None  # torchdata's: the state the next iterator restores

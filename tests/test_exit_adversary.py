@@ -52,6 +52,25 @@ def double_all(xs):
     return [{"v": x["v"] * 2} for x in xs]
 
 
+def ignores_sigint(pid):
+    with open(f"/proc/{pid}/status") as status:
+        ignored = next(int(line.split()[1], 16) for line in status if line.startswith("SigIgn:"))
+    return bool(ignored >> (signal.SIGINT - 1) & 1)
+
+
+def wait_for_pool(obj):
+    """Wait until every worker of the pool of the process map in ``obj``'s chain (if any) has
+    run its initializer, which ignores SIGINT: before it, a worker still starting has Python's
+    default handler, as any ``ProcessPoolExecutor``'s, and would print a traceback."""
+    node = obj
+    while node is not None and not hasattr(node, "_pool"):
+        node = getattr(node, "upstream", None)
+    pool = getattr(node, "_pool", None)
+    pids = [process.pid for process in getattr(pool, "_processes", {}).values()]
+    while not all(ignores_sigint(pid) for pid in pids):
+        time.sleep(0.01)
+
+
 def failing(x):
     if x["v"] == 9:
         raise ValueError("nine")
@@ -169,8 +188,9 @@ GROUP_INTERRUPTED = ("process_map", "batched_process_map", "loader2", "loader2_p
 
 def group_interrupt(name):
     """Ctrl-C as a terminal sends it, SIGINT to the whole process group (the pool's workers too),
-    after K items; the handler takes the state; iterating on (the same pipeline, or the Loader's
-    same iterator) continues exactly, and so does a fresh one restored from the state."""
+    after K items, once the pool's workers have started (``wait_for_pool``); the handler takes the state; iterating
+    on (the same pipeline, or the Loader's same iterator) continues exactly, and so does a fresh
+    one restored from the state."""
     reference = [plain(x) for x in PIPELINES[name]()]
     obj, got = PIPELINES[name](), []
     iterator = iter(obj)  # a Loader's: iter(loader) again would start a new epoch
@@ -178,6 +198,7 @@ def group_interrupt(name):
         for item in iterator:
             got.append(plain(item))
             if len(got) == K:
+                wait_for_pool(obj)
                 os.killpg(os.getpgrp(), signal.SIGINT)
         while True:
             time.sleep(0.01)

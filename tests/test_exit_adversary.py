@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.watching import HANG_GUARD_S, running, wait_until
+from tests.watching import HANG_GUARD_S, session_processes, wait_until
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -292,20 +292,6 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pq.write_table(pa.table({"v": list(range(RECORDS))}), folder / "d.parquet", row_group_size=50)
     (folder / "job.py").write_text(JOB)
     return folder
-
-
-def session_processes(session: int) -> list[int]:
-    """The live processes of a session (the job's, and everything it started)."""
-    found = []
-    for name in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{name}/stat") as stat:
-                fields = stat.read().rpartition(")")[2].split()
-        except (FileNotFoundError, ProcessLookupError):  # exited meanwhile
-            continue
-        if int(fields[3]) == session and running(int(name)):
-            found.append(int(name))
-    return found
 
 
 def run_job(

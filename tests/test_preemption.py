@@ -5,7 +5,6 @@ killed alone leaves none of its DataLoader workers behind."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import random
 import signal
 import subprocess
@@ -13,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.watching import running, wait_until
+from tests.watching import session_processes, wait_until
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 STEPS = 60
@@ -51,20 +50,6 @@ def test_sigterm_saves_a_checkpoint_at_the_current_step(tmp_path: Path) -> None:
 
     checkpoint = rst.load(run / "checkpoint.pt")
     assert checkpoint["step"] == demo.log_lines(run) >= 7  # the checkpoint covers every logged step
-
-
-def session_processes(session: int) -> list[int]:
-    """The live processes of a session (a job started in its own keeps it in its orphans too)."""
-    found = []
-    for name in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{name}/stat") as stat:
-                fields = stat.read().rpartition(")")[2].split()
-        except FileNotFoundError:  # exited meanwhile
-            continue
-        if int(fields[3]) == session and running(int(name)):  # fields[3]: the session id
-            found.append(int(name))
-    return found
 
 
 def test_a_trainer_killed_alone_at_random_moments_leaves_no_worker(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from typing import Callable
@@ -28,6 +29,21 @@ def running(pid: int) -> bool:
             return stat.read().rpartition(")")[2].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def session_processes(session: int) -> list[int]:
+    """The live processes of session ``session`` (a job started in its own, and everything it
+    started: its orphans keep the session too)."""
+    found = []
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{name}/stat") as stat:
+                fields = stat.read().rpartition(")")[2].split()
+        except (FileNotFoundError, ProcessLookupError):  # exited meanwhile
+            continue
+        if int(fields[3]) == session and running(int(name)):  # fields[3]: the session id
+            found.append(int(name))
+    return found
 
 
 def sigterm_pending(pid: int) -> bool:

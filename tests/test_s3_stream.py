@@ -7,6 +7,7 @@ read-ahead thread's included, a ``StateError``/``SourceError``/``ConfigError`` n
 from __future__ import annotations
 
 import functools
+import gc
 import gzip
 import json
 import math
@@ -163,6 +164,17 @@ def test_pickling_or_closing_stops_the_read_ahead(s3: dict[str, Any]) -> None:
     stream.close()
     assert not read_ahead_threads()
     assert head + rest == list(source(s3, shuffle_files=2))
+
+
+def test_a_stream_dropped_mid_object_stops_its_read_ahead_when_collected(s3: dict[str, Any]) -> None:
+    """The sibling of a dropped local stream closing its open file: the object's handle (a
+    read-ahead) is closed with the node, and its thread ends."""
+    stream = source(s3)
+    take(stream, 5)
+    assert len(read_ahead_threads()) == 1
+    del stream
+    gc.collect()
+    assert not read_ahead_threads()
 
 
 def test_a_forked_child_goes_on_with_a_read_ahead_of_its_own(s3: dict[str, Any]) -> None:

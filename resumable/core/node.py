@@ -10,7 +10,19 @@ only its own options and counters. Nodes with random access derive from
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Generic, Iterator, Literal, Sequence, TypeVar, overload
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    ClassVar,
+    Generic,
+    Iterator,
+    Literal,
+    Sequence,
+    TypeVar,
+    Union,
+    overload,
+)
 
 from resumable.core.keys import RecordKey
 from resumable.core.state import (
@@ -40,6 +52,9 @@ T = TypeVar("T")
 U = TypeVar("U")
 
 NODE_KINDS: dict[str, type[Node[Any]]] = {}
+
+Mark = Union[dict[str, Any], tuple[dict[str, Any], bool, Any]]
+"""What ``Node._mark`` records: the state itself, or (progress, ended, the upstream's mark)."""
 """Node classes by the ``kind`` they declare: one class per name."""
 
 
@@ -70,6 +85,8 @@ class Node(Generic[T]):
         elif cls.kind not in NODE_KINDS:
             cls.kind = cls.__name__
         cls._upstream_only = cls._children is Node._children and cls._child_state is Node._child_state
+        if cls._state is not Node._state and cls._varies is Node._varies:
+            raise TypeError(f"{cls.__qualname__}: a node that adds to _state must say in _varies when a mark cannot")
 
     def __init__(self, upstream: Node[Any] | None = None) -> None:
         if upstream is not None and not isinstance(upstream, Node):
@@ -78,6 +95,7 @@ class Node(Generic[T]):
             )
         self.upstream = upstream
         self._ended = False
+        self._varying: tuple[Node[Any], ...] | None = None
 
     # -- iteration --------------------------------------------------------------------------
 
@@ -243,6 +261,58 @@ class Node(Generic[T]):
         progress determines it (``_upstream_progress``); a read-ahead node substitutes the
         state it recorded as of the last item handed out."""
         return child._state(progress=progress and self._upstream_progress)
+
+    # -- marks: a state recorded now, built when it is asked for --------------------------------
+
+    def _mark(self) -> Mark:
+        """A cheap record of this node's position now, from which ``_marked_state`` builds the
+        state that ``_state(progress=True)`` returns now, however far the node moves on
+        meanwhile: what a read-ahead node keeps for every item it reads ahead, of which only a
+        few become states. It holds the counters down the chain; the headers and the
+        configuration-only states, which do not change while a node is read, are built from
+        the live nodes when the state is asked for. Where they may change (``_varies``) and
+        for nodes that nest children their own way, the mark is the state itself."""
+        for node in self._varying_subtree():
+            if node._varies():
+                return self._state(progress=True)
+        return self._counters()
+
+    def _counters(self) -> Mark:
+        """The mark below ``_mark``'s check: this node's progress and its upstream's, down the
+        chain (the state itself from a node that nests children its own way)."""
+        if not self._upstream_only:
+            return self._state(progress=True)
+        upstream = self.upstream
+        below = upstream._counters() if upstream is not None and self._upstream_progress else None
+        return (self._progress(), self._ended, below)
+
+    def _marked_state(self, mark: Mark) -> dict[str, Any]:
+        """The state ``mark`` recorded (see ``_mark``)."""
+        if isinstance(mark, dict):
+            return mark
+        progress, ended, below = mark
+        state = self._header()
+        state.update(progress)
+        state[ENDED] = ended
+        upstream = self.upstream
+        if upstream is not None:
+            state[UPSTREAM] = (
+                upstream._marked_state(below) if self._upstream_progress else upstream._state(progress=False)
+            )
+        return state
+
+    def _varies(self) -> bool:
+        """Hook: whether this node's state apart from its progress may change as it is read (a
+        shard holding a remap, compacted as its cursor moves), so a mark cannot defer it."""
+        return False
+
+    def _varying_subtree(self) -> tuple[Node[Any], ...]:
+        """The nodes whose ``_varies`` a mark of this node asks: those of its subtree that
+        override the hook (found once; a pipeline's structure is fixed when it is built)."""
+        found = self._varying
+        if found is None:
+            found = self._varying = tuple(node for node in self._subtree() if type(node)._varies is not Node._varies)
+        return found
 
     def set_state(self, state: dict[str, Any]) -> None:
         """Continue exactly after the item at which ``state`` was taken.

@@ -33,7 +33,7 @@ import numpy as np
 
 from resumable._worker_signals import init_pool_worker
 from resumable.core.keys import RecordKey
-from resumable.core.node import Node
+from resumable.core.node import Mark, Node
 from resumable.errors import ConfigError, ResumableError
 from resumable.ops.prefetch import check_positive_int
 from resumable.ops.read_ahead import ReadAhead
@@ -302,9 +302,9 @@ class ParallelMap(ReadAhead[U]):
         self.batched = batched
         self._pool: Executor | None = None
         self._finalizer: weakref.finalize[..., ParallelMap[U]] | None = None
-        # Entries (kind, chunk or error, index in the chunk, upstream state after it, upstream
+        # Entries (kind, chunk or error, index in the chunk, upstream mark after it, upstream
         # last_key after it): one per record, in upstream order.
-        self._window: deque[tuple[int, Any, int, dict[str, Any], RecordKey | None]] = deque()
+        self._window: deque[tuple[int, Any, int, Mark, RecordKey | None]] = deque()
         self._upstream_done = False
         self._chunk_size = FIRST_CHUNK
 
@@ -386,12 +386,12 @@ class ParallelMap(ReadAhead[U]):
                     item = next(upstream)
                 except StopIteration:
                     self._upstream_done = True
-                    window.append((_END, None, 0, upstream._state(progress=True), upstream.last_key()))
+                    window.append((_END, None, 0, upstream._mark(), upstream.last_key()))
                     break
                 except Exception as error:  # noqa: BLE001 - handed out in order
-                    window.append((_ERROR, error, 0, upstream._state(progress=True), upstream.last_key()))
+                    window.append((_ERROR, error, 0, upstream._mark(), upstream.last_key()))
                     continue
-                window.append((_RESULT, chunk, len(chunk.items), upstream._state(progress=True), upstream.last_key()))
+                window.append((_RESULT, chunk, len(chunk.items), upstream._mark(), upstream.last_key()))
                 chunk.items.append(item)
                 if len(chunk.items) == self._chunk_size:
                     chunk.future = self._submit(chunk.items)

@@ -1,9 +1,10 @@
 """Prefetch: run the upstream in a background thread, a bounded number of items ahead.
 
 The state is the state as of the last item handed to the consumer, never the producer's: the
-producer thread takes ``upstream.get_state()`` right after each item and sends it along with
-the item, and ``get_state()`` returns the one attached to the last item consumed. Items still
-in the queue when a state is taken are produced again after a restore.
+producer thread takes the upstream's mark (``Node._mark``, its counters) right after each item
+and sends it along with the item, and ``get_state()`` builds the state of the one attached to
+the last item consumed. Items still in the queue when a state is taken are produced again
+after a restore.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import weakref
 from typing import Any, Sequence, TypeVar
 
 from resumable.core.keys import RecordKey
-from resumable.core.node import Node
+from resumable.core.node import Mark, Node
 from resumable.errors import ConfigError
 from resumable.ops.read_ahead import ReadAhead
 
@@ -48,7 +49,7 @@ class _Producer:
 
     def __init__(self, upstream: Node[Any], buffer_size: int, lock: threading.Lock, name: str) -> None:
         self.upstream = upstream
-        self.queue: queue.Queue[tuple[int, Any, dict[str, Any], RecordKey | None]] = queue.Queue(buffer_size)
+        self.queue: queue.Queue[tuple[int, Any, Mark, RecordKey | None]] = queue.Queue(buffer_size)
         self.stop_event = threading.Event()
         self.lock = lock
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -65,14 +66,14 @@ class _Producer:
                     item, tag = None, _END
                 except BaseException as error:  # noqa: BLE001 - handed to the consumer
                     item, tag = error, _ERROR
-                state = upstream._state(progress=True)
+                state = upstream._mark()
                 key = upstream.last_key()
             if not self._put((tag, item, state, key)) or tag == _END:
                 return
             if tag == _ERROR and not isinstance(item, Exception):
                 return  # KeyboardInterrupt, SystemExit: nothing follows
 
-    def _put(self, message: tuple[int, Any, dict[str, Any], RecordKey | None]) -> bool:
+    def _put(self, message: tuple[int, Any, Mark, RecordKey | None]) -> bool:
         """Put ``message`` in the queue, waiting while it is full; False if asked to stop."""
         while not self.stop_event.is_set():
             try:
@@ -82,7 +83,7 @@ class _Producer:
                 continue
         return False
 
-    def get(self) -> tuple[int, Any, dict[str, Any], RecordKey | None]:
+    def get(self) -> tuple[int, Any, Mark, RecordKey | None]:
         """The next message, waiting for the producer."""
         while True:
             try:

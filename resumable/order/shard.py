@@ -155,6 +155,10 @@ class Shard(IndexedNode[T]):
         topology = self.topology
         return topology.consumer + max(position - 1, 0) * topology.num_consumers
 
+    def _varies(self) -> bool:
+        """A remap is saved compacted for the cursor, and an epoch's end drops it."""
+        return self.remap is not None or self.next_remap is not None
+
     def _state(self, progress: bool) -> dict[str, Any]:
         state = super()._state(progress)
         if self.remap is not None:

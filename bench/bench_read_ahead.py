@@ -6,7 +6,7 @@
 
 The chain is ``jsonl -> shuffle -> shard`` over one file of records of about 100-130 bytes
 (``bench_jsonl.make_small_corpus``), then one of: a serial ``map(fn)``, ``.prefetch(8)``, or
-``.map(fn, num_workers=2)`` in threads, where ``fn`` returns the record's id (no work: what is
+``.map(fn, num_workers=2)`` in threads or in processes, where ``fn`` returns the record's id (no work: what is
 measured is what the node adds per record). ``get_state()`` is taken every ``--state-every``
 records, as a loop checkpointing any batch would. A read-ahead node records where its upstream
 stood after every record it reads ahead (a mark, built into a state only for the record a state
@@ -14,8 +14,8 @@ is asked at), so the upstream's state is not built per record.
 
 Rounds interleave the loops (and the versions, with ``--baseline``: a copy of the package made as
 ``bench_jsonl.py`` describes); the table gives medians of µs per record by wall clock and by the
-process's CPU time (the pool threads included), and the ratio to the serial chain of the same
-version.
+process's CPU time (its pool threads included, a process pool's workers not), and the ratio to
+the serial chain of the same version.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ LOOPS: dict[str, Callable[[Any], Any]] = {
     "serial map": lambda chain: chain.map(record_id),
     "prefetch(8)": lambda chain: chain.prefetch(PREFETCH).map(record_id),
     "thread map, 2 workers": lambda chain: chain.map(record_id, num_workers=POOL_WORKERS),
+    "process map, 2 workers": lambda chain: chain.map(record_id, num_workers=POOL_WORKERS, mode="process"),
 }
 
 

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 import resumable as rs
 from resumable import Node
+from resumable.elastic import restore
 from tests.sources import INDEXED_KINDS, STREAM_KINDS, indexed_source, stream_source
 
 RECORDS = [{"id": index, "input_ids": list(range(index % 5 + 1))} for index in range(17)]
@@ -106,10 +107,10 @@ class Twin:
     """The same pipeline twice, serial and under a read-ahead, driven by the same operations;
     after each, the items and states must agree."""
 
-    def __init__(self, kind: str, chain: str, reader: str) -> None:
-        self.kind, self.chain, self.reader = kind, chain, reader
-        self.serial = serial(kind, chain)
-        self.ahead = READERS[reader](serial(kind, chain))
+    def __init__(self, build: Callable[[], Node[Any]], reader: str) -> None:
+        self.build, self.reader = build, reader
+        self.serial = build()
+        self.ahead = READERS[reader](build())
 
     def next(self, count: int) -> None:
         """``count`` items, starting the next epoch (``iter``) where one has ended, as a loop does."""
@@ -144,16 +145,16 @@ class Twin:
         """Both sides continue in freshly built pipelines from their saved states."""
         serial_state, ahead_state = roundtrip(self.serial.get_state()), roundtrip(self.ahead.get_state())
         self.close()
-        self.serial = serial(self.kind, self.chain)
+        self.serial = self.build()
         self.serial.set_state(serial_state)
-        self.ahead = READERS[self.reader](serial(self.kind, self.chain))
+        self.ahead = READERS[self.reader](self.build())
         self.ahead.set_state(ahead_state)
 
     def restore_serial_state(self) -> None:
         """The read-ahead pipeline continues from the serial pipeline's state, wrapped."""
         state = roundtrip(wrapped(self.serial.get_state(), self.reader, self.serial.ended))
         self.ahead.close()
-        self.ahead = READERS[self.reader](serial(self.kind, self.chain))
+        self.ahead = READERS[self.reader](self.build())
         self.ahead.set_state(state)
 
 
@@ -168,7 +169,11 @@ OPERATIONS = st.lists(
 
 
 def run_twin(kind: str, chain: str, reader: str, operations: list[tuple[str, int]]) -> None:
-    twin = Twin(kind, chain, reader)
+    run_built_twin(lambda: serial(kind, chain), reader, operations)
+
+
+def run_built_twin(build: Callable[[], Node[Any]], reader: str, operations: list[tuple[str, int]]) -> None:
+    twin = Twin(build, reader)
     try:
         for name, count in operations:
             if name == "next":
@@ -229,3 +234,71 @@ def test_a_packers_states_taken_at_different_times_resume_alike() -> None:
         pipe.set_state(orjson.loads(packed(calls)))
         continuations.append([plain(row) for row in pipe] + [plain(row) for row in pipe])
     assert continuations[0] == continuations[1]
+
+
+# -- elastic: a read-ahead over a shard that continues a rescaled epoch -----------------------
+
+
+def consumer_pipe(kind: str, consumer: int, consumers: int, reader: str | None) -> Node[Any]:
+    """Consumer ``consumer`` of ``consumers``: two epochs of a shuffled shard, under ``reader``."""
+    node = indexed_source(kind, RECORDS).shuffle(3).shard(consumer, consumers).repeat(2).map(ids)
+    return node if reader is None else READERS[reader](node)
+
+
+def old_states(kind: str, taken: list[int], reader: str | None) -> tuple[list[dict[str, Any]], list[int]]:
+    """The states of ``len(taken)`` old consumers after ``taken[c]`` items each, and those items."""
+    states, seen = [], []
+    for consumer, count in enumerate(taken):
+        with consumer_pipe(kind, consumer, len(taken), reader) as pipe:
+            seen += [item for _, item in zip(range(count), pipe)]
+            states.append(roundtrip(pipe.get_state()))
+    return states, seen
+
+
+@pytest.mark.parametrize("kind", INDEXED_KINDS)
+@settings(max_examples=6, deadline=None)
+@given(
+    taken=st.lists(st.integers(0, 12), min_size=1, max_size=4),
+    consumers=st.integers(1, 3),
+    reader=st.sampled_from(sorted(READERS)),
+    stop=st.integers(0, 20),
+)
+def test_elastic_restore_under_a_read_ahead_delivers_each_record_once_per_epoch(
+    kind: str, taken: list[int], consumers: int, reader: str, stop: int
+) -> None:
+    """Old consumers (under the reader) stop anywhere, even in their second epoch; the new ones
+    (under the reader) restore, save after ``stop`` items, restore again and read both epochs
+    to the end: every record twice in all, never more."""
+    olds, seen = old_states(kind, taken, reader)
+    for consumer in range(consumers):
+        with consumer_pipe(kind, consumer, consumers, reader) as pipe:
+            restore(pipe, olds)
+            head = [item for _, item in zip(range(stop), pipe)]
+            state = roundtrip(pipe.get_state())
+        with consumer_pipe(kind, consumer, consumers, reader) as resumed:
+            resumed.set_state(state)
+            seen += head + ([] if state["ended"] else list(resumed))
+    assert sorted(seen) == sorted(2 * [record["id"] for record in RECORDS])
+
+
+@pytest.mark.parametrize("kind", ["list", "jsonl"])
+@settings(max_examples=8, deadline=None)
+@given(
+    taken=st.lists(st.integers(0, 12), min_size=2, max_size=4),
+    consumer=st.integers(0, 1),
+    reader=st.sampled_from(sorted(READERS)),
+    operations=OPERATIONS,
+)
+def test_a_rescaled_shard_under_a_read_ahead_saves_the_serial_state(
+    kind: str, taken: list[int], consumer: int, reader: str, operations: Any
+) -> None:
+    """The remap is compacted as the cursor moves and dropped at the rescaled epoch's end, which
+    the reader crosses ahead of the consumer: the states still equal the serial pipeline's."""
+    olds, _ = old_states(kind, taken, None)
+
+    def build() -> Node[Any]:
+        node = consumer_pipe(kind, consumer, 2, None)
+        restore(node, olds)
+        return node
+
+    run_built_twin(build, reader, operations)

@@ -302,3 +302,143 @@ def test_a_rescaled_shard_under_a_read_ahead_saves_the_serial_state(
         return node
 
     run_built_twin(build, reader, operations)
+
+
+# -- concurrency: states taken as fast as possible while the producer runs --------------------
+
+
+def jsonl_file(tmp_path: Any) -> tuple[Any, bytes]:
+    path = tmp_path / "data.jsonl"
+    original = b"".join(orjson.dumps(record) + b"\n" for record in RECORDS)
+    path.write_bytes(original)
+    return path, original
+
+
+def hammered(path: str, reader: str) -> Node[Any]:
+    """Three epochs in batches of 2: the producer crosses the inner epochs' ends ahead of the consumer."""
+    node = rs.jsonl(path).shuffle(1).shard(0, 1).repeat(3).batch(2)
+    return node if reader is None else READERS[reader](node)
+
+
+def without_mtimes(state: Any) -> Any:
+    """``state`` with the files' mtimes left out (a rewrite and its undoing move them)."""
+    if isinstance(state, dict):
+        return {key: (value if key != "files" else [f[:2] + f[3:] for f in value]) for key, value in state.items()} | {
+            key: without_mtimes(value) for key, value in state.items() if key != "files"
+        }
+    return state
+
+
+@pytest.mark.parametrize("reader", sorted(READERS))
+def test_states_taken_while_the_producer_runs_are_the_serial_ones(reader: str, tmp_path: Any) -> None:
+    path, _ = jsonl_file(tmp_path)
+    plain_pipe = hammered(str(path), None)
+    expected = [dumped(wrapped(plain_pipe.get_state(), reader, False))]
+    items = []
+    for item in plain_pipe:
+        items.append(item)
+        expected.append(dumped(wrapped(plain_pipe.get_state(), reader, False)))
+    with hammered(str(path), reader) as pipe:
+        got = []
+        for count in range(len(items) + 1):
+            for _ in range(40):
+                assert dumped(pipe.get_state()) == expected[count], count
+            if count < len(items):
+                got.append(next(pipe))
+        assert got == items
+
+
+@pytest.mark.parametrize("reader", ["prefetch", "thread"])
+def test_a_file_rewritten_under_a_running_producer(reader: str, tmp_path: Any) -> None:
+    """While the file differs, ``get_state()`` raises SourceError naming it or returns the serial
+    state, never a torn one; once it is back, the run continues exactly."""
+    path, original = jsonl_file(tmp_path)
+    plain_pipe = hammered(str(path), None)
+    items = list(plain_pipe)
+    with hammered(str(path), reader) as pipe:
+        got = [next(pipe) for _ in range(3)]
+        serial_pipe = hammered(str(path), None)
+        for _ in range(3):
+            next(serial_pipe)
+        expected = without_mtimes(wrapped(serial_pipe.get_state(), reader, False))
+        source = next(node for node in pipe._subtree() if isinstance(node, rs.nodes.JsonlSource))
+        errors = 0
+        try:
+            path.write_bytes(original.replace(b'"id"', b'"ID"'))  # the same size, another content
+            for _ in range(60):
+                source._files._last_watch = float("-inf")
+                pipe._recorded_state = None  # as after a new item: the state is built again
+                try:
+                    state = pipe.get_state()
+                except rs.SourceError as error:
+                    assert "data.jsonl" in str(error)
+                    errors += 1
+                    continue
+                assert without_mtimes(state) == expected
+        finally:
+            path.write_bytes(original)
+        assert errors > 0
+        got += list(pipe)
+        assert got == items
+        assert without_mtimes(pipe.get_state()) == without_mtimes(wrapped(plain_pipe.get_state(), reader, True))
+
+
+def changed_under(pipe: Node[Any], path: Any, original: bytes) -> list[Any]:
+    """Take one item, rewrite the file (same size, other content) with its watch due, then
+    iterate: what each ``next()`` gave (an item, or the type of its exception), and once the
+    file is back, what the rest of the epoch gave."""
+    outcomes: list[Any] = [next(pipe)["id"]]
+    source = next(node for node in pipe._subtree() if isinstance(node, rs.nodes.JsonlSource))
+    try:
+        path.write_bytes(original.replace(b'"id"', b'"ID"'))
+        source._files._last_watch = float("-inf")
+        for _ in range(8):
+            try:
+                outcomes.append(next(pipe)["id"])
+            except Exception as error:  # noqa: BLE001 - what the consumer gets is the point
+                outcomes.append(type(error))
+    finally:
+        path.write_bytes(original)
+    source._files._last_watch = float("-inf")
+    for _ in range(len(RECORDS)):
+        try:
+            outcomes.append(next(pipe)["id"])
+        except StopIteration:
+            break
+        except Exception as error:  # noqa: BLE001 - what the consumer gets is the point
+            outcomes.append(type(error))
+    return outcomes
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="Prefetch's producer takes upstream._mark() outside its try: where the mark is a whole state (a mix, a "
+    "parallel map, a rescaled shard below) the file watch's SourceError kills the thread (an unhandled exception "
+    "printed by threading), and every next() raises RuntimeError('the prefetch thread stopped without a final "
+    "message'), even after the file is back, until close() or set_state()",
+)
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_file_changed_under_a_prefetch_of_a_mix_is_a_source_error(tmp_path: Any) -> None:
+    path, original = jsonl_file(tmp_path)
+    with rs.mix({"a": rs.jsonl(str(path))}).prefetch(2) as pipe:
+        outcomes = changed_under(pipe, path, original)
+    assert RuntimeError not in outcomes
+    assert rs.SourceError in outcomes
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="ParallelMap._fill takes upstream._mark() after next(upstream) returned a record and before the record "
+    "enters the window: where that mark is a whole state (a mix, a prefetch below) and the file watch raises "
+    "SourceError, the record already read is dropped, and iterating on skips it for good",
+)
+@pytest.mark.parametrize("below", ["mix", "prefetch"])
+def test_a_parallel_map_loses_no_record_when_its_upstreams_mark_raises(below: str, tmp_path: Any) -> None:
+    path, original = jsonl_file(tmp_path)
+    source = rs.jsonl(str(path))
+    upstream = rs.mix({"a": source}) if below == "mix" else source.prefetch(2)
+    with upstream.map(same, num_workers=1) as pipe:
+        outcomes = changed_under(pipe, path, original)
+    assert rs.SourceError in outcomes
+    delivered = [outcome for outcome in outcomes if isinstance(outcome, int)]
+    assert sorted(delivered) == [record["id"] for record in RECORDS]

@@ -551,3 +551,32 @@ def test_a_process_map_saves_the_serial_states_and_resumes() -> None:
         "process",
         [("next", 5), ("restore", 0), ("next", 17), ("close", 0), ("next", 30), ("restore_serial_state", 0)],
     )
+
+
+@pytest.mark.parametrize("reader", ["prefetch", "nested"])
+def test_states_hammered_while_the_producer_drops_a_remap_are_the_serial_ones(reader: str) -> None:
+    """The producer runs past the rescaled epoch's end (the shard drops its remap, its marks
+    turn from whole states into counters) while the consumer takes states as fast as it can."""
+    olds, _ = old_states("list", [3, 5, 1], None)
+
+    def build() -> Node[Any]:
+        node = consumer_pipe("list", 1, 2, None)
+        restore(node, olds)
+        return node
+
+    plain_pipe = build()
+    assert "remap" in json.dumps(plain_pipe.get_state())
+    expected = [dumped(wrapped(plain_pipe.get_state(), reader, False))]
+    items = []
+    for item in plain_pipe:
+        items.append(item)
+        expected.append(dumped(wrapped(plain_pipe.get_state(), reader, False)))
+    assert "remap" not in json.dumps(plain_pipe.get_state())
+    with READERS[reader](build()) as pipe:
+        got = []
+        for count in range(len(items) + 1):
+            for _ in range(30):
+                assert dumped(pipe.get_state()) == expected[count], count
+            if count < len(items):
+                got.append(next(pipe))
+        assert got == items

@@ -6,6 +6,8 @@ with a rescaled shard (whose remap changes as it is read, so its mark is the sta
 
 from __future__ import annotations
 
+import gc
+import weakref
 from typing import Any, Callable
 
 import orjson
@@ -140,3 +142,26 @@ def test_a_changed_file_is_reported_when_the_state_is_taken(reader: str, tmp_pat
     finally:
         path.write_bytes(original)  # closing returns the source to the last item handed out
         node.close()
+
+
+CURSOR_ON_A_SHUFFLE = [(kind, chain) for kind, chain in sources() if kind in STREAM_KINDS or "shuffle" in chain]
+"""Chains whose cursor is not an indexed source itself: such a source keeps a bound method of
+its own while it reads (a cycle of its own, without threads or files to release)."""
+
+
+@pytest.mark.parametrize(("kind", "chain"), CURSOR_ON_A_SHUFFLE)
+def test_states_and_marks_leave_no_reference_cycle(kind: str, chain: str) -> None:
+    """The nodes a state or a mark asks (``Node._overriding``) are kept without the node
+    itself, so a dropped pipeline is freed at once (a stream's read-ahead thread stops then),
+    not when the cyclic collector runs."""
+    node = build(kind, chain)
+    next(node)
+    node.get_state()
+    node._mark()
+    refs = [weakref.ref(part) for part in node._subtree()]
+    gc.disable()
+    try:
+        del node
+        assert [ref() for ref in refs] == [None] * len(refs)
+    finally:
+        gc.enable()

@@ -95,7 +95,7 @@ class Node(Generic[T]):
             )
         self.upstream = upstream
         self._ended = False
-        self._varying: tuple[Node[Any], ...] | None = None
+        self._hooked: dict[str, tuple[Node[Any], ...]] = {}
 
     # -- iteration --------------------------------------------------------------------------
 
@@ -238,8 +238,18 @@ class Node(Generic[T]):
         """Validate and load this node's counters from ``state`` (upstream already loaded)."""
 
     def get_state(self) -> dict[str, Any]:
-        """The position after the last item handed out, as a small JSON-serialisable dict."""
+        """The position after the last item handed out, as a small JSON-serialisable dict;
+        ``SourceError`` if a file read was found changed (see ``_watch``)."""
+        for node in self._overriding("_watch"):
+            node._watch()
         return self._state(progress=True)
+
+    def _watch(self) -> None:
+        """Hook: check that what this node reads has not changed since the run began (a file
+        source checks one file per call, round robin), raising ``SourceError`` if it has.
+        ``get_state`` runs it over the pipeline, so a state is never saved over changed data;
+        building a state (``_state``, a mark) never raises for it, so a read-ahead's reader
+        loses no record to it."""
 
     def _state(self, progress: bool) -> dict[str, Any]:
         """Header, then progress (unless only the configuration is asked for), then each
@@ -272,7 +282,7 @@ class Node(Generic[T]):
         configuration-only states, which do not change while a node is read, are built from
         the live nodes when the state is asked for. Where they may change (``_varies``) and
         for nodes that nest children their own way, the mark is the state itself."""
-        for node in self._varying_subtree():
+        for node in self._overriding("_varies"):
             if node._varies():
                 return self._state(progress=True)
         return self._counters()
@@ -306,13 +316,18 @@ class Node(Generic[T]):
         shard holding a remap, compacted as its cursor moves), so a mark cannot defer it."""
         return False
 
-    def _varying_subtree(self) -> tuple[Node[Any], ...]:
-        """The nodes whose ``_varies`` a mark of this node asks: those of its subtree that
-        override the hook (found once; a pipeline's structure is fixed when it is built)."""
-        found = self._varying
-        if found is None:
-            found = self._varying = tuple(node for node in self._subtree() if type(node)._varies is not Node._varies)
-        return found
+    def _overriding(self, hook: str) -> tuple[Node[Any], ...]:
+        """The nodes of this node's subtree whose class overrides the method ``hook``. Those
+        below it are found once per hook (a pipeline's structure is fixed when it is built);
+        the node itself is not kept among them, so that no node holds a reference to itself
+        and a dropped pipeline is freed (its threads stopped) at once, not by the collector."""
+        base = getattr(Node, hook)
+        below = self._hooked.get(hook)
+        if below is None:
+            nodes = self._subtree()
+            next(nodes)  # this node
+            below = self._hooked[hook] = tuple(node for node in nodes if getattr(type(node), hook) is not base)
+        return (self, *below) if getattr(type(self), hook) is not base else below
 
     def set_state(self, state: dict[str, Any]) -> None:
         """Continue exactly after the item at which ``state`` was taken.

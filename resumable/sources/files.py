@@ -178,16 +178,15 @@ class WatchedFiles:
 
     # -- during the run: SourceError ------------------------------------------------------------
 
-    def watch(self) -> list[Fingerprint]:
+    def watch(self) -> None:
         """Check one file (round robin; none if one was checked less than ``WATCH_INTERVAL``
-        seconds ago) and return the fingerprints, for a state."""
+        seconds ago), as a state is taken."""
         now = time.monotonic()
         if self.fingerprints and now - self._last_watch >= WATCH_INTERVAL:
             self._last_watch = now
             file = self._next_watched
             self._next_watched = (file + 1) % len(self.fingerprints)
             self.check(file)
-        return self.fingerprints
 
     def check_all(self) -> None:
         """Check every file (at an epoch start)."""

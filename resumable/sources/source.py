@@ -65,7 +65,10 @@ class FileSource(Source[T]):
     _files: WatchedFiles
 
     def _identity(self) -> dict[str, Any]:
-        return {FILES: self._files.watch()}
+        return {FILES: self._files.fingerprints}
+
+    def _watch(self) -> None:
+        self._files.watch()
 
     def _check_identity(self, state: dict[str, Any], path: str) -> None:
         self._files.check_state(require(state, FILES, list, path), path)

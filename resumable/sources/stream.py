@@ -330,7 +330,10 @@ class JsonlStream(Node[Any]):
         return {ON_ERROR: self.on_error, SHUFFLE_FILES: self.shuffle_files, **self.topology.config()}
 
     def _identity(self) -> dict[str, Any]:
-        return {FILES: self._files.watch()}
+        return {FILES: self._files.fingerprints}
+
+    def _watch(self) -> None:
+        self._files.watch()
 
     def _progress(self) -> dict[str, Any]:
         progress = {EPOCH: self._epoch, QUEUE: [list(item) for item in self.queue]}

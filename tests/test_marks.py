@@ -7,6 +7,7 @@ with a rescaled shard (whose remap changes as it is read, so its mark is the sta
 from __future__ import annotations
 
 import gc
+import os
 import weakref
 from typing import Any, Callable
 
@@ -23,6 +24,15 @@ from tests.sources import INDEXED_KINDS, STREAM_KINDS, indexed_source, stream_so
 
 RECORDS = [{"id": index, "input_ids": list(range(index % 7 + 1))} for index in range(23)]
 SEQ_LEN = 8
+
+
+def replace_file(path: Any, data: bytes) -> None:
+    """Give ``path`` new contents the way a tool that rewrites a file safely does (a new file
+    renamed over it): a reader's memory map of the old file stays valid, where rewriting in
+    place would cut it short under a reader thread (SIGBUS)."""
+    staged = path.with_name(path.name + ".staged")
+    staged.write_bytes(data)
+    os.replace(staged, path)
 
 
 def keep(record: dict[str, Any]) -> bool:
@@ -134,13 +144,13 @@ def test_a_changed_file_is_reported_when_the_state_is_taken(reader: str, tmp_pat
     node = source.prefetch(4) if reader == "prefetch" else source.map(ids, num_workers=2)
     try:
         next(node)
-        path.write_bytes(b"".join(orjson.dumps({"id": -1}) + b"\n" for _ in RECORDS))
+        replace_file(path, b"".join(orjson.dumps({"id": -1}) + b"\n" for _ in RECORDS))
         source._files._last_watch = float("-inf")  # the watch's interval has passed
         source._files._fresh_for = 0.0
         with pytest.raises(rs.SourceError, match="data.jsonl"):
             node.get_state()
     finally:
-        path.write_bytes(original)  # closing returns the source to the last item handed out
+        replace_file(path, original)  # closing returns the source to the last item handed out
         node.close()
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from typing import Any, Callable
 
 import numpy as np
@@ -25,6 +26,15 @@ from tests.sources import INDEXED_KINDS, STREAM_KINDS, indexed_source, stream_so
 
 RECORDS = [{"id": index, "input_ids": list(range(index % 5 + 1))} for index in range(17)]
 SEQ_LEN = 8
+
+
+def replace_file(path: Any, data: bytes) -> None:
+    """Give ``path`` new contents the way a tool that rewrites a file safely does (a new file
+    renamed over it): a reader's memory map of the old file stays valid, where rewriting in
+    place would cut it short under a reader thread (SIGBUS)."""
+    staged = path.with_name(path.name + ".staged")
+    staged.write_bytes(data)
+    os.replace(staged, path)
 
 
 def keep(record: dict[str, Any]) -> bool:
@@ -371,7 +381,7 @@ def test_a_file_rewritten_under_a_running_producer(reader: str, tmp_path: Any) -
         source = next(node for node in pipe._subtree() if isinstance(node, rs.nodes.JsonlSource))
         errors = 0
         try:
-            path.write_bytes(original.replace(b'"id"', b'"ID"'))  # the same size, another content
+            replace_file(path, original.replace(b'"id"', b'"ID"'))  # the same size, another content
             for _ in range(60):
                 source._files._last_watch = float("-inf")
                 pipe._recorded_state = None  # as after a new item: the state is built again
@@ -383,7 +393,7 @@ def test_a_file_rewritten_under_a_running_producer(reader: str, tmp_path: Any) -
                     continue
                 assert without_mtimes(state) == expected
         finally:
-            path.write_bytes(original)
+            replace_file(path, original)
         assert errors > 0
         got += list(pipe)
         assert got == items
@@ -397,14 +407,14 @@ def changed_under(pipe: Node[Any], path: Any, original: bytes) -> list[Any]:
     outcomes: list[Any] = [next(pipe)["id"]]
     source = next(node for node in pipe._subtree() if isinstance(node, rs.nodes.JsonlSource))
     try:
-        path.write_bytes(original.replace(b'"id"', b'"ID"'))
+        replace_file(path, original.replace(b'"id"', b'"ID"'))
         source._files._last_watch = float("-inf")
         try:
             pipe.get_state()
         except Exception as error:  # noqa: BLE001 - what the consumer gets is the point
             outcomes.append(type(error))
     finally:
-        path.write_bytes(original)
+        replace_file(path, original)
     for _ in range(len(RECORDS)):
         try:
             outcomes.append(next(pipe)["id"])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import os
+import pickle
 import weakref
 from typing import Any, Callable
 
@@ -154,16 +155,12 @@ def test_a_changed_file_is_reported_when_the_state_is_taken(reader: str, tmp_pat
         node.close()
 
 
-CURSOR_ON_A_SHUFFLE = [(kind, chain) for kind, chain in sources() if kind in STREAM_KINDS or "shuffle" in chain]
-"""Chains whose cursor is not an indexed source itself: such a source keeps a bound method of
-its own while it reads (a cycle of its own, without threads or files to release)."""
-
-
-@pytest.mark.parametrize(("kind", "chain"), CURSOR_ON_A_SHUFFLE)
+@pytest.mark.parametrize(("kind", "chain"), sources())
 def test_states_and_marks_leave_no_reference_cycle(kind: str, chain: str) -> None:
-    """The nodes a state or a mark asks (``Node._overriding``) are kept without the node
-    itself, so a dropped pipeline is freed at once (a stream's read-ahead thread stops then),
-    not when the cyclic collector runs."""
+    """No node keeps a reference to itself: not the nodes a state or a mark asks
+    (``Node._overriding``), not a source's own decoders (``IndexedNode._held_weakly``). So a
+    dropped pipeline is freed at once (a stream's read-ahead thread stops, memory maps and
+    files close), not when the cyclic collector runs."""
     node = build(kind, chain)
     next(node)
     node.get_state()
@@ -175,3 +172,15 @@ def test_states_and_marks_leave_no_reference_cycle(kind: str, chain: str) -> Non
         assert [ref() for ref in refs] == [None] * len(refs)
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("kind", INDEXED_KINDS)
+def test_a_source_pickled_mid_epoch_continues_with_its_own_decoders(kind: str) -> None:
+    """A DataLoader worker under spawn receives a pickled pipeline: the decoders the source
+    keeps, held weakly, come along bound to the copy, not to another copy of the source."""
+    source = indexed_source(kind, RECORDS)
+    head = [next(source) for _ in range(5)]
+    copy = pickle.loads(pickle.dumps(source))
+    kept = [fn for fn in (copy._decode, copy._run_decoder) if hasattr(fn, "_node")]
+    assert all(fn._node() is copy for fn in kept)
+    assert head + list(copy) == RECORDS

@@ -13,7 +13,7 @@ import itertools
 import operator
 import weakref
 from functools import partial
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, NoReturn, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, NoReturn, Sequence, TypeVar, cast
 
 import numpy as np
 
@@ -93,6 +93,23 @@ class _Flow:
             raise StopIteration
         node._reset_cursor(node.position)
         return node._flow.next()
+
+
+class _WeakMethod:
+    """A method of a node kept in the node itself (its own decoder, when the node is its chain's
+    leaf), holding the node by a weak reference. Pickled with the node, it holds the copy."""
+
+    __slots__ = ("_node", "_name")
+
+    def __init__(self, node: IndexedNode[Any], name: str) -> None:
+        self._node = weakref.ref(node)
+        self._name = name
+
+    def __call__(self, *args: Any) -> Any:
+        return getattr(self._node(), self._name)(*args)
+
+    def __reduce__(self) -> tuple[type[_WeakMethod], tuple[IndexedNode[Any] | None, str]]:
+        return _WeakMethod, (self._node(), self._name)
 
 
 class _FirstFlow:
@@ -443,11 +460,20 @@ class IndexedNode(Node[T]):
     def _prepare_chain(self) -> None:
         if not self._chain_ready:
             leaf = self.leaf
-            self._decode = leaf._decoder()
+            decode = leaf._decoder()
+            self._decode = None if decode is None else self._held_weakly(decode)
             self._decode_ahead = leaf._decodes_whole_chunks
-            self._run_decoder = leaf._decode_run
-            self._fns = self._record_fns()
+            self._run_decoder = self._held_weakly(leaf._decode_run)
+            self._fns = tuple(map(self._held_weakly, self._record_fns()))
             self._chain_ready = True
+
+    def _held_weakly(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` to keep in this node: a method of the node itself is kept as a ``_WeakMethod``,
+        so that, as with ``_Flow``, no cycle keeps a dropped pipeline (and its memory maps, its
+        files) alive until the collector runs."""
+        if getattr(fn, "__self__", None) is not self:
+            return fn
+        return _WeakMethod(self, cast("Any", fn).__func__.__name__)
 
     def _next_run(self) -> Iterator[Any]:
         """The flow's next run: the next chunk's records, or ``_END`` after the epoch. It never

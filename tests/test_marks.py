@@ -40,6 +40,10 @@ def keep(record: dict[str, Any]) -> bool:
     return record["id"] % 4 != 1
 
 
+def same(item: Any) -> Any:
+    return item
+
+
 def ids(record: dict[str, Any]) -> int:
     return record["id"]  # type: ignore[no-any-return]  # records are dicts of ints
 
@@ -155,16 +159,20 @@ def test_a_changed_file_is_reported_when_the_state_is_taken(reader: str, tmp_pat
         node.close()
 
 
+@pytest.mark.parametrize("reader", [None, "prefetch", "thread_map"])
 @pytest.mark.parametrize(("kind", "chain"), sources())
-def test_states_and_marks_leave_no_reference_cycle(kind: str, chain: str) -> None:
+def test_states_and_marks_leave_no_reference_cycle(kind: str, chain: str, reader: str | None) -> None:
     """No node keeps a reference to itself: not the nodes a state or a mark asks
     (``Node._overriding``), not a source's own decoders (``IndexedNode._held_weakly``). So a
     dropped pipeline is freed at once (a stream's read-ahead thread stops, memory maps and
     files close), not when the cyclic collector runs."""
     node = build(kind, chain)
+    if reader is not None:
+        node = node.prefetch(3) if reader == "prefetch" else node.map(same, num_workers=2)
     next(node)
     node.get_state()
     node._mark()
+    next(node)
     refs = [weakref.ref(part) for part in node._subtree()]
     gc.disable()
     try:

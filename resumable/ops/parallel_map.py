@@ -320,11 +320,11 @@ class ParallelMap(ReadAhead[U]):
         self._fill()
         if not self._window:
             raise StopIteration  # the end was handed out already
-        kind, payload, index, state, key = self._window[0]
+        kind, payload, index, mark, key = self._window[0]
         if kind == _RESULT and payload.results is None:
             self._resolve(payload)  # while the entry is still ahead: an interrupt here hands nothing out
         self._window.popleft()
-        self._record(state, key)
+        self._record(mark, key)
         if kind == _END:
             raise StopIteration
         if kind == _ERROR:

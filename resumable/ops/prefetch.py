@@ -66,9 +66,9 @@ class _Producer:
                     item, tag = None, _END
                 except BaseException as error:  # noqa: BLE001 - handed to the consumer
                     item, tag = error, _ERROR
-                state = upstream._mark()
+                mark = upstream._mark()
                 key = upstream.last_key()
-            if not self._put((tag, item, state, key)) or tag == _END:
+            if not self._put((tag, item, mark, key)) or tag == _END:
                 return
             if tag == _ERROR and not isinstance(item, Exception):
                 return  # KeyboardInterrupt, SystemExit: nothing follows
@@ -134,8 +134,8 @@ class Prefetch(ReadAhead[T]):
         producer = self._producer
         if producer is None:
             producer = self._start()
-        tag, payload, state, key = producer.get()
-        self._record(state, key)
+        tag, payload, mark, key = producer.get()
+        self._record(mark, key)
         if tag == _ITEM:
             item: T = payload
             return item

@@ -467,6 +467,16 @@ class IndexedNode(Node[T]):
             self._fns = tuple(map(self._held_weakly, self._record_fns()))
             self._chain_ready = True
 
+    def __copy__(self) -> IndexedNode[T]:
+        """A shallow copy reads on from the same position by itself: with its own flow and
+        decoders (the original's hold the original, weakly), so neither moves the other."""
+        clone = type(self).__new__(type(self))
+        clone.__dict__.update(self.__dict__)
+        clone._hooked = {}
+        clone._chain_ready = False
+        clone._reset_cursor(self.position)
+        return clone
+
     def _held_weakly(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn`` to keep in this node: a method of the node itself is kept as a ``_WeakMethod``,
         so that, as with ``_Flow``, no cycle keeps a dropped pipeline (and its memory maps, its

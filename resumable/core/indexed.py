@@ -464,7 +464,7 @@ class IndexedNode(Node[T]):
             self._decode = None if decode is None else self._held_weakly(decode)
             self._decode_ahead = leaf._decodes_whole_chunks
             self._run_decoder = self._held_weakly(leaf._decode_run)
-            self._fns = tuple(map(self._held_weakly, self._record_fns()))
+            self._fns = self._record_fns()
             self._chain_ready = True
 
     def __copy__(self) -> IndexedNode[T]:

@@ -52,10 +52,10 @@ T = TypeVar("T")
 U = TypeVar("U")
 
 NODE_KINDS: dict[str, type[Node[Any]]] = {}
+"""Node classes by the ``kind`` they declare: one class per name."""
 
 Mark = Union[dict[str, Any], tuple[dict[str, Any], bool, Any]]
 """What ``Node._mark`` records: the state itself, or (progress, ended, the upstream's mark)."""
-"""Node classes by the ``kind`` they declare: one class per name."""
 
 
 class Node(Generic[T]):

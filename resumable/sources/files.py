@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import pyarrow as pa
 
-from resumable.core.state import short_repr
+from resumable.core.state import require, short_repr
 from resumable.errors import ConfigError, SourceError, StateError
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -293,3 +293,20 @@ def _parse(saved: Any, path: str) -> Fingerprint:
     ):
         return saved if len(saved) > LEGACY_FINGERPRINT_LENGTH else [*saved, None]
     raise StateError(f"{path}: malformed file fingerprint {short_repr(saved)}")
+
+
+class WatchedIdentity:
+    """What a node over ``_files`` saves as its identity (their fingerprints), checks on a
+    restore and watches as states are taken (``Node._watch``): one mechanism for the indexed
+    file sources and the streams. A mixin, placed before the node class it completes."""
+
+    _files: WatchedFiles
+
+    def _identity(self) -> dict[str, Any]:
+        return {FILES: self._files.fingerprints}
+
+    def _watch(self) -> None:
+        self._files.watch()
+
+    def _check_identity(self, state: dict[str, Any], path: str) -> None:
+        self._files.check_state(require(state, FILES, list, path), path)

@@ -8,10 +8,9 @@ from typing import Any, Mapping, Sequence, TypeVar
 import numpy as np
 
 from resumable.core.indexed import IndexedNode
-from resumable.core.state import require
 from resumable.errors import ConfigError
 from resumable.sources.blocks import BlockOptions, BlockReader, Blocks, fetch_pool
-from resumable.sources.files import FILES, Paths, WatchedFiles
+from resumable.sources.files import Paths, WatchedFiles, WatchedIdentity
 from resumable.sources.remote import Head, Remote, resolve
 
 T = TypeVar("T")
@@ -56,22 +55,13 @@ class Source(IndexedNode[T]):
         raise error
 
 
-class FileSource(Source[T]):
+class FileSource(WatchedIdentity, Source[T]):
     """A source over files. Their fingerprints are its identity: a state taken over other files
     is refused on restore, and a file that changes during the run is a ``SourceError`` at the
     next epoch start, at the next ``get_state`` (one file per call, round robin) or when it is
     next read (see ``WatchedFiles``). Subclasses set ``_files``."""
 
     _files: WatchedFiles
-
-    def _identity(self) -> dict[str, Any]:
-        return {FILES: self._files.fingerprints}
-
-    def _watch(self) -> None:
-        self._files.watch()
-
-    def _check_identity(self, state: dict[str, Any], path: str) -> None:
-        self._files.check_state(require(state, FILES, list, path), path)
 
     def _enter_epoch(self, epoch: int) -> None:
         self._files.check_all()

@@ -40,10 +40,10 @@ from resumable.errors import ConfigError, SourceError, StateError
 from resumable.order.lcg import Permutation
 from resumable.order.topology import TOPOLOGY_KEYS, Consumer, Topology
 from resumable.sources.files import (
-    FILES,
     READ_ERRORS,
     Paths,
     WatchedFiles,
+    WatchedIdentity,
     read_error,
     reading,
 )
@@ -73,7 +73,7 @@ MAX_DEFLATE_RATIO = 1032
 """Deflate expands a compressed byte into at most this many: a bound on a gzip file's content."""
 
 
-class JsonlStream(Node[Any]):
+class JsonlStream(WatchedIdentity, Node[Any]):
     """Records of JSONL files (``.jsonl`` or ``.jsonl.gz``) read as streams, split by file.
 
     Use it for data that cannot be indexed; ``rs.jsonl`` (indexed: global shuffle, seek-based
@@ -329,20 +329,11 @@ class JsonlStream(Node[Any]):
     def _config(self) -> dict[str, Any]:
         return {ON_ERROR: self.on_error, SHUFFLE_FILES: self.shuffle_files, **self.topology.config()}
 
-    def _identity(self) -> dict[str, Any]:
-        return {FILES: self._files.fingerprints}
-
-    def _watch(self) -> None:
-        self._files.watch()
-
     def _progress(self) -> dict[str, Any]:
         progress = {EPOCH: self._epoch, QUEUE: [list(item) for item in self.queue]}
         if self._next_queue is not None:
             progress[NEXT_QUEUE] = [list(item) for item in self._next_queue]
         return progress
-
-    def _check_identity(self, state: dict[str, Any], path: str) -> None:
-        self._files.check_state(require(state, FILES, list, path), path)
 
     def _restore(self, state: dict[str, Any], path: str) -> None:
         epoch = require_count(state, EPOCH, path)

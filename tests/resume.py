@@ -23,6 +23,19 @@ Build = Callable[[], Node[Any]]
 EMPTY_EPOCHS = 50
 
 
+def plain(item: Any) -> Any:
+    """The item as comparable plain data (packed rows hold numpy arrays)."""
+    if isinstance(item, np.ndarray):
+        return item.tolist()
+    if isinstance(item, dict):
+        return {key: plain(value) for key, value in item.items()}
+    if isinstance(item, (list, tuple)):
+        return [plain(x) for x in item]
+    if isinstance(item, np.generic):
+        return item.item()
+    return item
+
+
 def take(pipe: Node[Any], count: int) -> list[Any]:
     """The next ``count`` items, starting new epochs as a training loop would; fewer if the
     pipeline is empty (``EMPTY_EPOCHS`` empty epochs in a row)."""

@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import tempfile
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -43,6 +44,18 @@ def indexed_source(kind: str, records: list[dict[str, Any]]) -> rs.Node[Any]:
     if kind in ("arrow", "arrow_stream"):
         return rs.arrow(path)
     raise ValueError(f"unknown source kind {kind!r}")
+
+
+def replace_file(path: Path, data: bytes, mtime: tuple[int, int] | None = None) -> None:
+    """New contents for ``path`` the way a tool that rewrites a file safely gives them (a new
+    file renamed over it): a reader's memory map of the old file stays valid, where rewriting
+    in place would cut it short under a reader thread (SIGBUS). With ``mtime`` (access and
+    modification times in ns), the new file carries those times, as a restore that keeps them."""
+    staged = path.with_name(path.name + ".staged")
+    staged.write_bytes(data)
+    if mtime is not None:
+        os.utime(staged, ns=mtime)
+    os.replace(staged, path)
 
 
 def stream_source(kind: str, records: list[dict[str, Any]], files: int = 3, **options: Any) -> rs.Node[Any]:

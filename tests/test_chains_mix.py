@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 import resumable as rs
 from resumable import Node
-from tests.resume import EMPTY_EPOCHS, roundtrip
+from tests.resume import EMPTY_EPOCHS, plain, roundtrip
 from tests.sources import INDEXED_KINDS, indexed_source
 
 Build = Callable[[], Node[Any]]
@@ -62,19 +62,6 @@ def shift(item: dict[str, Any], by: int) -> dict[str, Any]:
     tokens = item["input_ids"]
     moved = tokens + by if isinstance(tokens, np.ndarray) else [int(t) + by for t in tokens]
     return {**item, "input_ids": moved}
-
-
-def plain(item: Any) -> Any:
-    """The item as comparable plain data (packed rows hold numpy arrays)."""
-    if isinstance(item, np.ndarray):
-        return item.tolist()
-    if isinstance(item, dict):
-        return {key: plain(value) for key, value in item.items()}
-    if isinstance(item, (list, tuple)):
-        return [plain(x) for x in item]
-    if isinstance(item, np.generic):
-        return item.item()
-    return item
 
 
 def apply_step(pipe: Node[Any], step: Step) -> Node[Any]:

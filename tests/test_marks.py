@@ -6,10 +6,7 @@ with a rescaled shard (whose remap changes as it is read, so its mark is the sta
 
 from __future__ import annotations
 
-import gc
-import os
 import pickle
-import weakref
 from typing import Any, Callable
 
 import orjson
@@ -21,19 +18,11 @@ import resumable as rs
 from resumable import Node
 from resumable.elastic import restore
 from resumable.order.shard import Shard
-from tests.sources import INDEXED_KINDS, STREAM_KINDS, indexed_source, stream_source
+from tests.sources import INDEXED_KINDS, STREAM_KINDS, indexed_source, replace_file, stream_source
+from tests.watching import assert_freed_at_once
 
 RECORDS = [{"id": index, "input_ids": list(range(index % 7 + 1))} for index in range(23)]
 SEQ_LEN = 8
-
-
-def replace_file(path: Any, data: bytes) -> None:
-    """Give ``path`` new contents the way a tool that rewrites a file safely does (a new file
-    renamed over it): a reader's memory map of the old file stays valid, where rewriting in
-    place would cut it short under a reader thread (SIGBUS)."""
-    staged = path.with_name(path.name + ".staged")
-    staged.write_bytes(data)
-    os.replace(staged, path)
 
 
 def keep(record: dict[str, Any]) -> bool:
@@ -173,13 +162,9 @@ def test_states_and_marks_leave_no_reference_cycle(kind: str, chain: str, reader
     node.get_state()
     node._mark()
     next(node)
-    refs = [weakref.ref(part) for part in node._subtree()]
-    gc.disable()
-    try:
-        del node
-        assert [ref() for ref in refs] == [None] * len(refs)
-    finally:
-        gc.enable()
+    pipeline = [node]
+    del node
+    assert_freed_at_once(pipeline)
 
 
 @pytest.mark.parametrize("kind", INDEXED_KINDS)

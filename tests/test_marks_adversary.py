@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 from typing import Any, Callable
 
 import numpy as np
@@ -22,19 +21,11 @@ import resumable as rs
 from resumable import Node
 from resumable.elastic import restore
 from resumable.pack import expand_references
-from tests.sources import INDEXED_KINDS, STREAM_KINDS, indexed_source, stream_source
+from tests.resume import plain
+from tests.sources import INDEXED_KINDS, STREAM_KINDS, indexed_source, replace_file, stream_source
 
 RECORDS = [{"id": index, "input_ids": list(range(index % 5 + 1))} for index in range(17)]
 SEQ_LEN = 8
-
-
-def replace_file(path: Any, data: bytes) -> None:
-    """Give ``path`` new contents the way a tool that rewrites a file safely does (a new file
-    renamed over it): a reader's memory map of the old file stays valid, where rewriting in
-    place would cut it short under a reader thread (SIGBUS)."""
-    staged = path.with_name(path.name + ".staged")
-    staged.write_bytes(data)
-    os.replace(staged, path)
 
 
 def keep(record: dict[str, Any]) -> bool:
@@ -86,17 +77,6 @@ def serial(kind: str, chain: str) -> Node[Any]:
     if kind in STREAM_KINDS:
         return STREAM_CHAINS[chain](lambda: stream_source(kind, RECORDS))
     return CHAINS[chain](lambda: indexed_source(kind, RECORDS))
-
-
-def plain(item: Any) -> Any:
-    """An item as plain data (packed rows hold numpy arrays), to compare with ``==``."""
-    if isinstance(item, dict):
-        return {key: plain(value) for key, value in item.items()}
-    if isinstance(item, (list, tuple)):
-        return [plain(value) for value in item]
-    if isinstance(item, np.ndarray):
-        return item.tolist()
-    return item
 
 
 def wrapped(state: dict[str, Any], reader: str, ended: bool) -> dict[str, Any]:
@@ -346,23 +326,35 @@ def without_mtimes(state: Any) -> Any:
     return state
 
 
-@pytest.mark.parametrize("reader", THREADED)
-def test_states_taken_while_the_producer_runs_are_the_serial_ones(reader: str, tmp_path: Any) -> None:
-    path, _ = jsonl_file(tmp_path)
-    plain_pipe = hammered(str(path), None)
+def serial_run(plain_pipe: Node[Any], reader: str) -> tuple[list[Any], list[bytes]]:
+    """The serial pipeline's items over one epoch, and its state before the first and after
+    each, as the ``reader``'s pipeline must save them."""
     expected = [dumped(wrapped(plain_pipe.get_state(), reader, False))]
     items = []
     for item in plain_pipe:
         items.append(item)
         expected.append(dumped(wrapped(plain_pipe.get_state(), reader, False)))
+    return items, expected
+
+
+def assert_hammered_states(pipe: Node[Any], items: list[Any], expected: list[bytes], times: int) -> None:
+    """Before each item and after the last, ``times`` states taken as fast as the consumer can,
+    while the producer runs ahead, are each the serial one; and the items are the serial ones."""
+    got = []
+    for count in range(len(items) + 1):
+        for _ in range(times):
+            assert dumped(pipe.get_state()) == expected[count], count
+        if count < len(items):
+            got.append(next(pipe))
+    assert got == items
+
+
+@pytest.mark.parametrize("reader", THREADED)
+def test_states_taken_while_the_producer_runs_are_the_serial_ones(reader: str, tmp_path: Any) -> None:
+    path, _ = jsonl_file(tmp_path)
+    items, expected = serial_run(hammered(str(path), None), reader)
     with hammered(str(path), reader) as pipe:
-        got = []
-        for count in range(len(items) + 1):
-            for _ in range(40):
-                assert dumped(pipe.get_state()) == expected[count], count
-            if count < len(items):
-                got.append(next(pipe))
-        assert got == items
+        assert_hammered_states(pipe, items, expected, 40)
 
 
 @pytest.mark.parametrize("reader", ["prefetch", "thread"])
@@ -561,17 +553,7 @@ def test_states_hammered_while_the_producer_drops_a_remap_are_the_serial_ones(re
 
     plain_pipe = build()
     assert "remap" in json.dumps(plain_pipe.get_state())
-    expected = [dumped(wrapped(plain_pipe.get_state(), reader, False))]
-    items = []
-    for item in plain_pipe:
-        items.append(item)
-        expected.append(dumped(wrapped(plain_pipe.get_state(), reader, False)))
+    items, expected = serial_run(plain_pipe, reader)
     assert "remap" not in json.dumps(plain_pipe.get_state())
     with READERS[reader](build()) as pipe:
-        got = []
-        for count in range(len(items) + 1):
-            for _ in range(30):
-                assert dumped(pipe.get_state()) == expected[count], count
-            if count < len(items):
-                got.append(next(pipe))
-        assert got == items
+        assert_hammered_states(pipe, items, expected, 30)

@@ -17,7 +17,6 @@ import gzip
 import json
 import os
 import pickle
-import weakref
 from pathlib import Path
 from typing import Any, Callable
 
@@ -28,7 +27,8 @@ import pytest
 import resumable as rs
 from resumable import Node
 from resumable.sources import files
-from tests.sources import INDEXED_KINDS, indexed_source
+from tests.sources import INDEXED_KINDS, indexed_source, replace_file
+from tests.watching import assert_freed_at_once
 
 COUNT = 24
 FILE_KINDS = ("jsonl", "parquet", "arrow", "arrow_stream", "jsonl_stream", "jsonl_stream_gzip")
@@ -81,16 +81,6 @@ def file_source(directory: Path, kind: str, first: int = 0) -> tuple[Node[Any], 
     records = [{"id": first + index} for index in range(COUNT)]
     paths = [write(directory / f"{kind}-{first}-{part}", kind, records[part::2]) for part in range(2)]
     return OPENERS[kind]([str(path) for path in paths]), paths, [record["id"] for record in records]
-
-
-def replace_file(path: Path, data: bytes, mtime: tuple[int, int] | None = None) -> None:
-    """New contents by a new file renamed over ``path`` (a reader's memory map stays valid);
-    with ``mtime``, the new file carries those times, as a restore that keeps them does."""
-    staged = path.with_name(path.name + ".staged")
-    staged.write_bytes(data)
-    if mtime is not None:
-        os.utime(staged, ns=mtime)
-    os.replace(staged, path)
 
 
 READERS: dict[str, Callable[[Node[Any]], Node[Any]]] = {
@@ -268,13 +258,9 @@ def test_a_dropped_copy_is_freed_without_the_collector(kind: str, reader: str | 
     next(node)
     node.get_state()
     next(node)
-    refs = [weakref.ref(part) for part in node._subtree()]
-    gc.disable()
-    try:
-        del node
-        assert [ref() for ref in refs] == [None] * len(refs)
-    finally:
-        gc.enable()
+    pipeline = [node]
+    del node
+    assert_freed_at_once(pipeline)
 
 
 @pytest.mark.parametrize("kind", INDEXED_KINDS)

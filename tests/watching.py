@@ -1,11 +1,14 @@
-"""Watching other processes from tests: wait for a condition (no timing thresholds), read /proc."""
+"""Watching other processes from tests: wait for a condition (no timing thresholds), read /proc;
+and whether a dropped pipeline is freed at once."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import time
-from typing import Callable
+import weakref
+from typing import Any, Callable
 
 import pytest
 
@@ -51,3 +54,18 @@ def sigterm_pending(pid: int) -> bool:
     with open(f"/proc/{pid}/status") as status:
         pending = next(line for line in status if line.startswith("ShdPnd:"))
     return bool(int(pending.split()[1], 16) >> (signal.SIGTERM - 1) & 1)
+
+
+def assert_freed_at_once(holder: list[Any]) -> None:
+    """Drop the pipeline ``holder`` holds (a list holding the only reference to it) with the
+    cyclic collector off: every node of its subtree is freed at once, so no node holds a
+    reference to itself (its threads stop, its memory maps and files close then, not when the
+    collector runs)."""
+    node = holder.pop()
+    refs = [weakref.ref(part) for part in node._subtree()]
+    gc.disable()
+    try:
+        del node
+        assert [ref() for ref in refs] == [None] * len(refs)
+    finally:
+        gc.enable()

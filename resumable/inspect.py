@@ -41,7 +41,7 @@ from resumable.ops.mix import COMPONENTS
 from resumable.order.elastic import Offset, Remap, Reorder
 from resumable.order.shard import NEXT_REMAP, REMAP
 from resumable.pack._buffered import listed
-from resumable.pack._entries import INHERITED, OPEN, OPEN_SIZES, READY, READY_SIZES, REFS
+from resumable.pack._entries import BASE_PROGRESS, INHERITED, OPEN, OPEN_SIZES, READY, READY_SIZES, REFS
 from resumable.pack.node import Pack
 from resumable.sources.files import FILES, LEGACY_FINGERPRINT_LENGTH, MTIME_NS, NAME, SIZE
 
@@ -409,7 +409,7 @@ def _check_fingerprint(fingerprint: Any, at: str) -> None:
 def _check_pack_buffer(node: dict[str, Any], at: str) -> None:
     """The lists ``_pack_buffer`` counts, and the document key heading each reference (a
     compact ``refs`` entry decoded first: ``StateError`` naming ``at`` when it is damaged)."""
-    if REFS in node:
+    if REFS in node or BASE_PROGRESS in node:
         node = listed(node, at)
     for key in (*PIECES, OPEN_SIZES, READY_SIZES):
         if key in node:

@@ -179,7 +179,10 @@ def resume_after_interrupt(name, wait_for_parent):
     except KeyboardInterrupt:
         state = state_of(obj)
     rest = [plain(x) for x in restored(name, state)]
-    say(f"resumed {name} after {len(got)}:", "exact" if got + rest == reference else "WRONG")
+    # A signal that came after the last item leaves a state taken after the epoch's end, from
+    # which iterating starts the next epoch (the same items: these pipelines do not shuffle).
+    exact = got + rest == reference or (got == reference and rest == reference)
+    say(f"resumed {name} after {len(got)}:", "exact" if exact else "WRONG")
     return obj
 
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, cast
 import numpy as np
 
 from resumable.core.indexed import IndexedNode
-from resumable.core.keys import RecordKey, Stride
+from resumable.core.keys import RecordKey, Stride, saved_prefix
 from resumable.core.state import require
 from resumable.errors import ConfigError, SourceError, StateError
 from resumable.ops.filter import Filter
@@ -19,10 +19,17 @@ from resumable.ops.map import Map
 from resumable.ops.mix import Mix
 from resumable.ops.read_ahead import ReadAhead
 from resumable.ops.repeat import Repeat
+from resumable.pack._documents import Documents
 from resumable.pack._entries import (
+    BASE_PROGRESS,
+    BUFFER_SIZE,
     COUNTERS,
+    EVENT_ORIGINS,
+    EVENTS,
     EXHAUSTED,
     INHERITED,
+    LENGTH_FN,
+    MAX_DOCUMENTS,
     OPEN,
     OPEN_SIZES,
     READY,
@@ -30,18 +37,29 @@ from resumable.pack._entries import (
     REFS,
     RESERVED,
     SECTIONS,
+    SEQ_LEN,
     SPAN,
     STATS,
+    STRATEGY,
 )
-from resumable.pack._pieces import Piece, Refetcher, count_row, grouped, is_count, piece, untraceable
+from resumable.pack._events import FLUSH, INHERITED_PULL, ROW, Event, Pulled, event_limit, parsed_events
+from resumable.pack._pieces import (
+    Piece,
+    Refetcher,
+    count_row,
+    grouped,
+    is_count,
+    piece,
+    reference_parts,
+    untraceable,
+)
 from resumable.pack._refs import REF_LIMIT, GrowingSlots, RefTable, decode
 from resumable.pack.rows import Segment
-from resumable.pack.strategies import Packer, Row
+from resumable.pack.strategies import Packer, Row, make_packer
 from resumable.sources.stream import JsonlStream
 
 if TYPE_CHECKING:
     from resumable.core.node import Node
-    from resumable.pack._documents import Documents
     from resumable.pack.node import Pack
     from resumable.pack.rows import Document
 
@@ -74,6 +92,13 @@ class BufferedRows:
         self._ready_taken = self._ready_cut = 0
         self._changes = 0
         self._saved: tuple[int, dict[str, Any]] | None = None
+        # The last whole progress a state saved (compact form), and what happened since, which
+        # a state saves instead of the whole buffer until the log is long (``_events``).
+        self._base: dict[str, Any] | None = None
+        self._events: list[int] = []
+        self._event_limit = event_limit(0)
+        self._event_origins: tuple[int, list[Any]] = (0, [])  # the table's origins saved, by count
+        self._reserves = documents.length_fn is not None  # whether states save RESERVED
         self._ready: deque[Row] = deque()
         self._span: int | None = None  # the slot of the whole rows left of a long document
         self._inherited = np.zeros(0, dtype=np.intp)  # slots of the inherited pieces, from
@@ -90,36 +115,34 @@ class BufferedRows:
     def next_segments(self) -> list[Segment]:
         """The next row's segments, counted; StopIteration once the upstream's epoch is packed."""
         self._changes += 1
-        while True:
-            if self._span is not None:
-                return self._emit_span(self._span)
-            if self._ready:
-                segments = self._emit(self._ready[0])  # a failed fetch leaves the row ready
-                self._ready_taken += 1
-                self._ready_cut += len(self._ready.popleft())
-                return segments
+        while self._span is None and not self._ready:
             if self._exhausted:
                 raise StopIteration
             self._pull()
+        segments = self._hand_out(fetch=True)
+        self._log(ROW)
+        return segments
+
+    def _hand_out(self, fetch: bool) -> list[Segment]:
+        """Let the next row go (the span's next whole row, or the first ready row) and return its
+        segments; without ``fetch`` (a replay) its records are neither fetched nor counted."""
+        if self._span is not None:
+            return self._emit_span(self._span, fetch)
+        segments = self._emit(self._ready[0], fetch)  # a failed fetch leaves the row ready
+        self._ready_taken += 1
+        self._ready_cut += len(self._ready.popleft())
+        return segments
 
     def _pull(self) -> None:
         """Take one document from upstream (or an inherited piece); at its end, flush the open rows."""
         if self._inherited_taken < len(self._inherited):
-            slot = int(self._inherited[self._inherited_taken])
-            self._inherited_taken += 1
-            held = self._pieces[slot]
-            self._let_go(slot)
-            full = held.start + (held.end - held.start) // self._seq_len * self._seq_len
-            added = self._add(held.key, held.start, full, held.end, held.document, held.extra)
-            if held.document is None and self._fetcher is not None:  # its pieces wait for the record now
-                self._fetcher.hold(held.key, added - 1)
+            self._pull_inherited()
             return
         upstream, documents = self._upstream, self._documents
         try:
             record = next(upstream)
         except StopIteration:
-            self._exhausted = True
-            self._ready_add(self._packer.flush())
+            self._flush()
             return
         key = upstream.last_key()
         if key is None:
@@ -131,6 +154,25 @@ class BufferedRows:
             return
         self._barren.clear()
         self._add(key, 0, full, end, document)
+        self._log_document(key, full, end, document.extra)
+
+    def _pull_inherited(self) -> None:
+        """Place the next piece inherited in a rescale."""
+        slot = int(self._inherited[self._inherited_taken])
+        self._inherited_taken += 1
+        held = self._pieces[slot]
+        self._let_go(slot)
+        full = held.start + (held.end - held.start) // self._seq_len * self._seq_len
+        added = self._add(held.key, held.start, full, held.end, held.document, held.extra)
+        if held.document is None and self._fetcher is not None:  # its pieces wait for the record now
+            self._fetcher.hold(held.key, added - 1)
+        self._log(INHERITED_PULL)
+
+    def _flush(self) -> None:
+        """The upstream's epoch has ended: close the open rows."""
+        self._exhausted = True
+        self._ready_add(self._packer.flush())
+        self._log(FLUSH)
 
     def _add(
         self, key: RecordKey, start: int, full: int, end: int, document: Document | None, extra: int | None = None
@@ -208,30 +250,107 @@ class BufferedRows:
             return cast("list[Document]", [part.document for part in held])
         return self._fetcher.documents(held)
 
-    def _emit_span(self, slot: int) -> list[Segment]:
+    def _emit_span(self, slot: int, fetch: bool) -> list[Segment]:
         """The next whole row of a long document (the piece in ``slot``, let go; what is left of
         it becomes the span)."""
         span = self._pieces[slot]
-        (document,) = self._documents_of([span])
+        document = self._documents_of([span])[0] if fetch else span.document
         stop = span.start + self._seq_len
         self._let_go(slot)
-        self._span = self._hold(piece(span.key, stop, span.end, document)) if stop < span.end else None
-        segments = [Segment(document, span.start, stop)]
+        if stop < span.end:
+            self._span = self._hold(piece(span.key, stop, span.end, document, span.extra))
+        else:
+            self._span = None
+            if not fetch:
+                self._unfetched_let_go([span])
+        if not fetch:
+            return []
+        segments = [Segment(cast("Document", document), span.start, stop)]
         count_row(self.counts, segments, self._seq_len)
         return segments
 
-    def _emit(self, row: Row) -> list[Segment]:
+    def _emit(self, row: Row, fetch: bool) -> list[Segment]:
         pieces = self._pieces
         first = pieces[row[0]]
         if first.end - first.start > self._seq_len:  # whole rows: the first of them
-            return self._emit_span(row[0])
+            return self._emit_span(row[0], fetch)
         held = [pieces[item] for item in row]
-        documents = self._documents_of(held)  # before anything changes: a failed fetch leaves the row
+        documents = self._documents_of(held) if fetch else []  # before anything changes: a failed fetch leaves the row
         for item in row:
             self._let_go(item)
+        if not fetch:
+            self._unfetched_let_go(held)
+            return []
         segments = [Segment(document, part.start, part.end) for document, part in zip(documents, held)]
         count_row(self.counts, segments, self._seq_len)
         return segments
+
+    def _unfetched_let_go(self, held: list[Piece]) -> None:
+        """Pieces a replay handed out: the records of those not fetched are no longer waited for."""
+        if self._fetcher is not None:
+            for part in held:
+                if part.document is None:
+                    self._fetcher.hold(part.key, -1)
+
+    # -- the log of what happened since the last whole state (``_events``) ------------------
+
+    def _log(self, *event: int) -> None:
+        events = self._events
+        events.extend(event)
+        if len(events) > self._event_limit:  # no state for a while: the next one is whole
+            self._base, self._events = None, []
+
+    def _log_document(self, key: RecordKey, full: int, end: int, extra: int) -> None:
+        self._log(self._table.origin(key[:-2]), key[-2], key[-1], full, end, extra)
+
+    def _rebase(self, progress: dict[str, Any]) -> None:
+        """``progress``, a whole one, is what the next states build on."""
+        self._base, self._events = progress, []
+        self._event_limit = event_limit(sum(progress[SECTIONS]))
+
+    def _saved_origins(self) -> list[Any]:
+        """The key prefixes the logged documents' origins index, as saved (kept while they do not grow)."""
+        origins = self._table.origins
+        if self._event_origins[0] != len(origins):
+            self._event_origins = (len(origins), [saved_prefix(names) for names in origins])
+        return self._event_origins[1]
+
+    def _replay(self, events: Any, origins: Any, path: str) -> None:
+        """Do again, by planning alone, what ``events`` logged (``_events``), logging it again;
+        StateError naming ``path`` if the log does not fit what this packer holds."""
+        where = f"{path} > {EVENTS}"
+        for event in parsed_events(events, origins, self._seq_len, where):
+            try:
+                self._apply(event, where)
+            except ValueError as exc:  # the strategy's: a piece longer than a row
+                raise StateError(f"{where}: an event does not fit the packing strategy: {exc}") from exc
+
+    def _apply(self, event: Event, where: str) -> None:
+        """One event of a replayed log."""
+        if isinstance(event, Pulled):
+            if self._exhausted or self._inherited_taken < len(self._inherited):
+                raise StateError(f"{where}: a document is taken after the epoch's end or before inherited pieces")
+            fetcher = self._fetcher
+            wrong = fetcher.key_problem(event.key) if fetcher is not None else None
+            if wrong is not None:
+                raise StateError(f"{where}: a document event names no record: {wrong}")
+            added = self._add(event.key, 0, event.full, event.end, None, event.extra)
+            if fetcher is not None:
+                fetcher.hold(event.key, added)
+            self._log_document(event.key, event.full, event.end, event.extra)
+        elif event == ROW:
+            if self._span is None and not self._ready:
+                raise StateError(f"{where}: a row is handed out that the buffer does not hold")
+            self._hand_out(fetch=False)
+            self._log(ROW)
+        elif event == INHERITED_PULL:
+            if self._inherited_taken >= len(self._inherited):
+                raise StateError(f"{where}: an inherited piece is placed that the state does not hold")
+            self._pull_inherited()
+        elif self._exhausted:
+            raise StateError(f"{where}: the epoch ends twice")
+        else:
+            self._flush()
 
     # -- what is held ------------------------------------------------------------------------
 
@@ -252,6 +371,28 @@ class BufferedRows:
     # -- state -------------------------------------------------------------------------------
 
     def progress(self) -> dict[str, Any]:
+        """What a state saves of the buffer: the last whole progress (``whole_progress``) and the
+        log of what happened since (``_events``), or, when there is no such progress yet or the log
+        has grown past half its limit, a whole progress, on which the next states build."""
+        if self._saved is not None and self._saved[0] == self._changes:
+            return self._saved[1]
+        base, events = self._base, self._events
+        if base is None or 2 * len(events) > self._event_limit:
+            progress = self.whole_progress()
+            self._rebase(progress)
+        elif not events and self.counts == base[STATS]:
+            progress = base
+        else:
+            progress = {
+                BASE_PROGRESS: base,
+                EVENTS: events.copy(),
+                EVENT_ORIGINS: self._saved_origins(),
+                STATS: dict(self.counts),
+            }
+        self._saved = (self._changes, progress)
+        return progress
+
+    def whole_progress(self) -> dict[str, Any]:
         """Every piece held, by reference, grouped as the strategy and the ready rows hold them;
         with a ``length_fn``, also the positions each piece's document reserves (``RESERVED``),
         so a restore plans without fetching the records.
@@ -261,8 +402,6 @@ class BufferedRows:
         reference was packed when it arrived, and the slots in state order are kept as the
         strategy and the ready rows change, so a state is one gather of packed words by slot and
         its base64, not a pass over the buffer."""
-        if self._saved is not None and self._saved[0] == self._changes:
-            return self._saved[1]
         order = self._packer.state_order()
         ready_slots, ready_sizes = self._ready_state()
         span = np.array([self._span] if self._span is not None else [], dtype=np.intp)
@@ -277,9 +416,8 @@ class BufferedRows:
             EXHAUSTED: self._exhausted,
             STATS: dict(self.counts),
         }
-        if self._documents.length_fn is not None:
+        if self._reserves:
             progress[RESERVED] = self._table.extras(slots)
-        self._saved = (self._changes, progress)
         return progress
 
     def _ready_state(self) -> tuple[np.ndarray, list[int]]:
@@ -303,34 +441,58 @@ class BufferedRows:
         are handed out, and a restore costs no map call, whatever the buffer holds. A state
         without ``RESERVED`` from a packer with a ``length_fn`` (saved before it existed), and
         an upstream that reads a stream front to back (a fetch per row would read it again
-        each time), fetch every record now, in one call, as before."""
-        seq_len = pack.seq_len
-        compact = state.get(REFS)
-        state = listed(state, path)
-        table = RefTable()
-        if compact is not None:  # checked by ``listed``: the pieces are saved again as they were saved
-            table.adopt(compact)
-        open_groups = grouped(state, OPEN, OPEN_SIZES, path)
-        ready_rows = grouped(state, READY, READY_SIZES, path)
-        span_ref = require(state, SPAN, list, path)
-        exhausted = require(state, EXHAUSTED, bool, path)
-        inherited_refs = require(state, INHERITED, list, path)
-        entries = (
-            [(entry, OPEN) for group in open_groups for entry in group]
-            + [(entry, READY) for row in ready_rows for entry in row]
-            + ([(span_ref, SPAN)] if span_ref else [])
-            + [(entry, INHERITED) for entry in inherited_refs]
-        )
+        each time), fetch every record now, in one call, as before. A state saved as a base
+        and the events since (``progress``) loads the base, then replays the events by
+        planning alone: the documents they took are fetched like the base's."""
+        since = _since(state, path)
+        whole = state if since is None else since[0]
         fetcher = Refetcher(pack.upstream.fetch_many, pack._documents.read, path, key_checker(pack.upstream))
-        reserved = saved_reserved(state, len(entries), pack.length_fn is not None, path)
+        listed_whole = listed(whole, path)
+        count = _piece_count(listed_whole)
+        reserved = saved_reserved(listed_whole, count, pack.length_fn is not None, path)
         lazy = reserved is not None and not _reads_streams(pack.upstream)
         extras = iter(reserved or ())
         if not lazy:
-            fetcher.fetch(entries)
+            fetcher.fetch(_entries(listed_whole))
 
         def make(entry: Any, where: str) -> Piece:
             return fetcher.lazy(entry, where, next(extras)) if lazy else fetcher.piece(entry, where)
 
+        rows = cls._loaded(pack.upstream, pack._documents, packer, whole, listed_whole, path, dict(counts), make)
+        rows._fetcher = fetcher
+        if since is not None:
+            rows._replay(since[1], since[2], path)
+            if not lazy:
+                fetcher.fill(rows._pieces)
+        if not lazy or all(held.document is not None for held in rows._pieces.values()):
+            rows._fetcher = None
+        rows.counts = counts
+        return rows
+
+    @classmethod
+    def _loaded(
+        cls,
+        upstream: Node[Any] | None,
+        documents: Documents,
+        packer: Packer,
+        state: dict[str, Any],
+        listed_state: dict[str, Any],
+        path: str,
+        counts: dict[str, int],
+        make: Callable[[Any, str], Piece],
+    ) -> BufferedRows:
+        """The rows of a whole ``state`` (no events; ``listed_state`` is its ``listed`` form), each
+        saved reference made a piece by ``make``; a compact state becomes the base of the next states."""
+        seq_len = documents.seq_len
+        compact = state.get(REFS)
+        table = RefTable()
+        if compact is not None:  # checked by ``listed``: the pieces are saved again as they were saved
+            table.adopt(compact)
+        open_groups = grouped(listed_state, OPEN, OPEN_SIZES, path)
+        ready_rows = grouped(listed_state, READY, READY_SIZES, path)
+        span_ref = require(listed_state, SPAN, list, path)
+        exhausted = require(listed_state, EXHAUSTED, bool, path)
+        inherited_refs = require(listed_state, INHERITED, list, path)
         pieces: dict[int, Piece] = {}
 
         def load(entry: Any, where: str) -> int:
@@ -348,7 +510,7 @@ class BufferedRows:
         for row in ready_rows:
             items = [load(entry, READY) for entry in row]
             used = sum(pieces[item].cost for item in items)
-            if not items or (used > seq_len and len(items) > 1) or len(items) > (pack.max_documents or seq_len):
+            if not items or (used > seq_len and len(items) > 1) or len(items) > packer.max_items:
                 raise StateError(f"{path}: a ready row {row} does not fit a row of seq_len={seq_len}")
             ready.append(items)
         span = load(span_ref, SPAN) if span_ref else None
@@ -357,12 +519,13 @@ class BufferedRows:
         try:
             packer.restore([[(item, pieces[item].cost) for item in group] for group in groups])
         except ValueError as exc:
-            raise StateError(f"{path}: the {OPEN} groups do not fit strategy {pack.strategy!r}: {exc}") from exc
-        rows = cls(pack.upstream, pack._documents, packer, counts)
+            raise StateError(f"{path}: the {OPEN} groups do not fit the packing strategy: {exc}") from exc
+        rows = cls(cast("Node[Any]", upstream), documents, packer, counts)
         rows._pieces, rows._table = pieces, table
         rows._ready, rows._span, rows._exhausted = ready, span, exhausted
         rows._inherited = inherited
-        rows._fetcher = fetcher if lazy and entries else None
+        if compact is not None:
+            rows._rebase({key: state[key] for key in PROGRESS_ENTRIES if key in state})
         return rows
 
     @staticmethod
@@ -384,10 +547,81 @@ def expand_references(state: dict[str, Any]) -> dict[str, Any]:
     return listed(state, str(state.get("kind", "Pack")))
 
 
+PROGRESS_ENTRIES = (REFS, SECTIONS, OPEN_SIZES, READY_SIZES, EXHAUSTED, STATS, RESERVED)
+"""The entries of a whole progress in the compact form, in the order ``whole_progress`` writes them."""
+SINCE_ENTRIES = (BASE_PROGRESS, EVENTS, EVENT_ORIGINS)
+"""The entries of a progress saved as a base and the events since."""
+
+
+def _since(state: dict[str, Any], path: str) -> tuple[dict[str, Any], Any, Any] | None:
+    """``(base, events, origins)`` of a state saved as a base and the events since, else None."""
+    if not any(key in state for key in SINCE_ENTRIES):
+        return None
+    base = require(state, BASE_PROGRESS, dict, path)
+    if REFS not in base or any(key in base for key in SINCE_ENTRIES):
+        raise StateError(f"{path}: state entry {BASE_PROGRESS!r} is not a whole progress in the compact form")
+    return base, require(state, EVENTS, list, path), require(state, EVENT_ORIGINS, list, path)
+
+
+def _piece_count(state: dict[str, Any]) -> int:
+    """The pieces a listed state holds (its lists checked when its rows are loaded)."""
+    lists = [state.get(key) for key in (OPEN, READY, INHERITED)]
+    return sum(len(value) for value in lists if isinstance(value, list)) + (1 if state.get(SPAN) else 0)
+
+
+def _entries(state: dict[str, Any]) -> list[tuple[Any, str]]:
+    """``(reference, where)`` for every piece of a listed state, in its order (malformed lists skipped:
+    loading its rows names them)."""
+    span = state.get(SPAN)
+    return [
+        *((entry, key) for key in (OPEN, READY) if isinstance(state.get(key), list) for entry in state[key]),
+        *([(span, SPAN)] if span else []),
+        *((entry, INHERITED) for entry in state.get(INHERITED) or [] if isinstance(state.get(INHERITED), list)),
+    ]
+
+
+def resolved(state: dict[str, Any], path: str) -> dict[str, Any]:
+    """A packer state saved as a base and the events since as the whole state it stands for: the
+    strategy (from the state's options) replays the events over the base's pieces by planning
+    alone (no record is read), then saves every piece held, as a state taken then would."""
+    since = _since(state, path)
+    if since is None:
+        return state
+    seq_len, strategy, buffer_size = (require(state, key, kind, path) for key, kind in _PLAN_OPTIONS)
+    max_documents = state.get(MAX_DOCUMENTS)
+    try:
+        packer = make_packer(strategy, seq_len, buffer_size, max_documents)
+    except (TypeError, ValueError) as exc:
+        raise StateError(f"{path}: the state's packing options are not valid: {exc}") from exc
+    documents = Documents(str(state.get("kind", "Pack")), seq_len, "split", "input_ids", None)
+    base, events, origins = since
+    listed_base = listed(base, path)
+    reserved = iter(saved_reserved(listed_base, _piece_count(listed_base), LENGTH_FN in state, path) or [])
+
+    def make(entry: Any, where: str) -> Piece:
+        parts = reference_parts(entry)
+        if parts is None or parts[1] >= parts[2]:
+            raise StateError(f"{path}: {where} entry {entry!r:.80} is not a piece reference")
+        return piece(*parts, None, next(reserved, 0))
+
+    rows = BufferedRows._loaded(None, documents, packer, base, listed_base, path, dict.fromkeys(COUNTERS, 0), make)
+    rows._replay(events, origins, path)
+    rows._reserves = LENGTH_FN in state
+    progress = rows.whole_progress()
+    whole = {key: value for key, value in state.items() if key not in SINCE_ENTRIES}
+    whole.update({key: value for key, value in progress.items() if key != STATS})
+    return whole
+
+
+_PLAN_OPTIONS = ((SEQ_LEN, int), (STRATEGY, str), (BUFFER_SIZE, int))
+
+
 def listed(state: dict[str, Any], path: str) -> dict[str, Any]:
     """``state`` with its references as lists, one per piece, under ``OPEN``, ``READY``,
     ``SPAN`` and ``INHERITED``: the form states took before ``REFS`` (which still load as they
-    are), and what ``restored`` and ``rescaled`` read."""
+    are), and what ``restored`` and ``rescaled`` read. A state saved as a base and the events
+    since is ``resolved`` first."""
+    state = resolved(state, path)
     if REFS not in state:
         return state
     refs = decode(state[REFS], path, REFS)

@@ -31,6 +31,13 @@ RESERVED = "reserved"
 # as one encoding of bit-packed ints (``_refs``), and how many belong to each of the four.
 REFS = "refs"
 SECTIONS = "sections"
+# Since the events form: a state taken a few rows after an earlier one saves that earlier
+# progress (``BASE_PROGRESS``, in the compact form) and what happened since (``EVENTS``: rows handed
+# out, documents taken, a flush, as flat ints), which a restore replays by planning alone.
+# ``EVENT_ORIGINS`` lists the key prefixes the documents' origin indices name.
+BASE_PROGRESS = "base_progress"
+EVENTS = "events_since"
+EVENT_ORIGINS = "event_origins"
 # Pieces handed over by other consumers in an elastic rescale, packed before the upstream's.
 INHERITED = "inherited"
 # Progress of a whole-epoch plan (``strategy="bfd"`` without ``buffer_size``); the epoch is the

@@ -114,15 +114,30 @@ class Refetcher:
         self._check(key, start, end, document, document.extra, where)
         return piece(key, start, end, document)
 
+    def key_problem(self, key: RecordKey) -> str | None:
+        """What is wrong with ``key``, where the upstream can tell without fetching (else None)."""
+        return self._check_key(key) if self._check_key is not None else None
+
     def lazy(self, entry: Any, where: str, extra: int) -> Piece:
         """The piece ``entry`` names, reserving ``extra`` positions, its record not fetched yet;
         a key the upstream can tell is out of range without fetching is refused now."""
         key, start, end = self.parse(entry, where)
-        wrong = self._check_key(key) if self._check_key is not None else None
+        wrong = self.key_problem(key)
         if wrong is not None:
             raise StateError(f"{self._path}: {where} entry {entry} names no record: {wrong}")
         self.hold(key)
         return piece(key, start, end, None, extra)
+
+    def fill(self, pieces: dict[int, Piece]) -> None:
+        """Fetch now, in one call, the records of the pieces not fetched yet, and put them in."""
+        waiting = {slot: held for slot, held in pieces.items() if held.document is None}
+        self._fetch([held.key for held in waiting.values()])
+        for slot, held in waiting.items():
+            document = self._records[held.key]
+            self._check(held.key, held.start, held.end, document, held.extra, "a replayed")
+            pieces[slot] = held._replace(document=document)
+        self._records.clear()
+        self._waiting.clear()
 
     def hold(self, key: RecordKey, count: int = 1) -> None:
         """``count`` more pieces of record ``key`` (or fewer, if negative) wait for it."""

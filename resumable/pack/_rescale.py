@@ -30,7 +30,7 @@ import numpy as np
 
 from resumable.core.state import ENDED, KIND, UPSTREAM, VERSION, require
 from resumable.errors import StateError
-from resumable.pack._buffered import listed, saved_reserved
+from resumable.pack._buffered import SINCE_ENTRIES, listed, saved_reserved
 from resumable.pack._entries import (
     BUFFER_SIZE,
     COUNTERS,
@@ -56,8 +56,8 @@ PACK_KIND = "Pack"
 """``Pack.kind``, the kind of the states whose buffers ``drop_buffer`` drops (``pack.node`` is not
 imported here: it imports ``resumable.elastic``, which imports this module)."""
 
-BUFFER_ENTRIES = (OPEN, OPEN_SIZES, READY, READY_SIZES, SPAN, INHERITED, REFS, SECTIONS, RESERVED)
-"""A streaming packer's entries that hold or cut its piece references (both state forms)."""
+BUFFER_ENTRIES = (OPEN, OPEN_SIZES, READY, READY_SIZES, SPAN, INHERITED, REFS, SECTIONS, RESERVED, *SINCE_ENTRIES)
+"""A streaming packer's entries that hold or cut its piece references (every state form)."""
 
 
 def inherited_from(consumer: int, num_consumers: int, num_old: int) -> range:

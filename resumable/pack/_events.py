@@ -1,0 +1,85 @@
+"""What a streaming packer did since its last whole state, as flat ints.
+
+A state of a packer holding a 1000-document buffer is mostly the references of its pieces, and
+the strategy reorders them as rows close, so saving them all costs a gather and a base64 of a few
+kB with every batch. Between two such whole states only a few rows leave and a few documents
+arrive, so a state a few rows later saves the earlier state (unchanged, the same object) and
+the log of what happened since; a restore loads the earlier state and replays the log by
+planning alone (the strategy needs each piece's length, never its tokens), then fetches the
+records as their rows are handed out, as after any restore.
+
+The log is a list of ints, one event after the other:
+
+- ``ROW``: a row was handed out (the span's next whole row, or the first ready row);
+- ``INHERITED_PULL``: the next piece inherited in a rescale was placed;
+- ``FLUSH``: the upstream's epoch ended and the open rows were closed;
+- a document: ``origin, epoch, record, full, end, extra`` (``DOCUMENT_INTS`` ints, ``origin``
+  >= 0 indexing the key prefixes saved beside the log): tokens ``[0, full)`` made whole rows,
+  ``[full, end)`` one piece; ``extra`` positions reserved (``length_fn``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, NamedTuple, Union
+
+from resumable.core.keys import RecordKey, loaded_prefix
+from resumable.errors import StateError
+from resumable.pack._pieces import is_count
+
+ROW = -1
+INHERITED_PULL = -2
+FLUSH = -3
+DOCUMENT_INTS = 6
+MIN_EVENTS = 256
+"""Ints a log may hold beyond the pieces of the state it follows before it is dropped: a log
+longer than half its limit is replaced by a whole state when a state is taken, so a state's log
+stays within about half its base's pieces (plus this)."""
+
+
+def event_limit(pieces: int) -> int:
+    """The longest log kept after a whole state of ``pieces`` pieces: past it the log is dropped
+    and the next state is whole, so a packer whose state is never taken keeps no growing log."""
+    return pieces + MIN_EVENTS
+
+
+class Pulled(NamedTuple):
+    """A document event: the record ``key`` gave tokens ``[0, full)`` as whole rows and
+    ``[full, end)`` as one piece, reserving ``extra`` positions."""
+
+    key: RecordKey
+    full: int
+    end: int
+    extra: int
+
+
+Event = Union[int, Pulled]
+
+
+def parsed_events(events: Any, origins: Any, seq_len: int, path: str) -> Iterator[Event]:
+    """The events of a saved log (``ROW``, ``INHERITED_PULL``, ``FLUSH`` or a ``Pulled``), each
+    checked as far as it can be alone; StateError naming ``path`` for anything malformed."""
+    if not isinstance(events, list) or not isinstance(origins, list):
+        raise StateError(f"{path}: the events since the base state and their origins must be lists")
+    prefixes = []
+    for names in origins:
+        prefix = loaded_prefix(names)
+        if prefix is None:
+            raise StateError(f"{path}: event origin {names!r:.80} is not a list of names (and a stride)")
+        prefixes.append(prefix)
+    at = 0
+    while at < len(events):
+        code = events[at]
+        if isinstance(code, bool) or not isinstance(code, int) or code < FLUSH:
+            raise StateError(f"{path}: event {at} is {code!r:.40}, not an event code or an origin index")
+        if code < 0:
+            yield code
+            at += 1
+            continue
+        fields = events[at + 1 : at + DOCUMENT_INTS]
+        if len(fields) < DOCUMENT_INTS - 1 or not all(is_count(value) for value in fields) or code >= len(prefixes):
+            raise StateError(f"{path}: event {at} is not a document (origin, epoch, record, full, end, extra)")
+        epoch, record, full, end, extra = fields
+        if not 0 <= full <= end or end == 0 or full % seq_len or end - full > seq_len:
+            raise StateError(f"{path}: event {at} cuts tokens [0, {full}) and [{full}, {end}) out of rows of {seq_len}")
+        yield Pulled((*prefixes[code], epoch, record), full, end, extra)
+        at += DOCUMENT_INTS

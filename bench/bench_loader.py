@@ -263,33 +263,49 @@ def compare(
     return rows
 
 
-def worker_cost(build: Callable[[], rs.Node], batches: int, runs: int) -> dict[str, float]:
+def worker_cost(
+    build: Callable[..., rs.Node], batches: int, runs: int, baseline: Any = None
+) -> dict[str, dict[str, float]]:
     """Medians over ``runs``: a worker's CPU seconds per batch without and with its state per
-    batch, and their ratio (see ``--in-process``)."""
-    plain_times, state_times, ratios = [], [], []
+    batch, and their ratio (see ``--in-process``); with a ``baseline`` package, a third copy of
+    the pipeline built and saved by it advances in the same lockstep."""
+    versions: dict[str, tuple[Any, Any]] = {"this": (rs, WorkerIterator)}
+    if baseline is not None:
+        versions["baseline"] = (baseline, importlib.import_module(f"{baseline.__name__}.torch.dataset").WorkerIterator)
+    times: dict[str, list[float]] = {"plain": [], **{name: [] for name in versions}}
+    ratios: dict[str, list[float]] = {name: [] for name in versions}
     for _ in range(runs):
-        plain, stated = build(), build()
-        worker = WorkerIterator(stated, epoch=0)
-        next(plain), next(worker)  # buffers primed
-        in_plain = in_stated = 0.0
+        plain = build()
+        workers = {name: iterator(build(package), epoch=0) for name, (package, iterator) in versions.items()}
+        next(plain)  # buffers primed
+        for worker in workers.values():
+            next(worker)
+        spent = dict.fromkeys(times, 0.0)
         for _ in range(batches):
             start = time.process_time()
             next(plain)
-            middle = time.process_time()
-            next(worker)
-            worker.state_dict()
-            in_stated += time.process_time() - middle
-            in_plain += middle - start
-        plain.close(), stated.close()
-        plain_times.append(in_plain / batches)
-        state_times.append(in_stated / batches)
-        ratios.append(in_plain / in_stated)
+            spent["plain"] += time.process_time() - start
+            for name, worker in workers.items():
+                start = time.process_time()
+                next(worker)
+                worker.state_dict()
+                spent[name] += time.process_time() - start
+        plain.close()
+        for worker in workers.values():
+            worker.pipeline.close()
+        for name, seconds in spent.items():
+            times[name].append(seconds / batches)
+        for name in versions:
+            ratios[name].append(spent["plain"] / spent[name])
     return {
-        "plain": statistics.median(plain_times),
-        "stated": statistics.median(state_times),
-        "ratio": statistics.median(ratios),
-        "ratio_min": min(ratios),
-        "ratio_max": max(ratios),
+        name: {
+            "plain": statistics.median(times["plain"]),
+            "stated": statistics.median(times[name]),
+            "ratio": statistics.median(ratios[name]),
+            "ratio_min": min(ratios[name]),
+            "ratio_max": max(ratios[name]),
+        }
+        for name in versions
     }
 
 
@@ -299,19 +315,21 @@ def batches_label(args: argparse.Namespace) -> str:
     return ", ".join(f"{DEFAULT_BATCHES[name]} batches ({name})" for name in args.pipelines)
 
 
-def main_in_process(args: argparse.Namespace) -> None:
+def main_in_process(args: argparse.Namespace, baseline: Any) -> None:
     print(
         f"in one process: {batches_label(args)} of {BATCH} rows per run, {args.runs} runs, medians; "
         "a plain copy and a copy taking a worker's state after every batch, in lockstep"
     )
-    print(f"{'pipeline':<10}{'plain ms/b':>12}{'state ms/b':>12}{'ratio':>8}{'(min-max)':>14}")
+    print(f"{'pipeline':<10}{'version':<10}{'plain ms/b':>12}{'state ms/b':>12}{'ratio':>8}{'(min-max)':>14}")
     for name in args.pipelines:
-        row = worker_cost(PIPELINES[name], args.batches or DEFAULT_BATCHES[name], args.runs)
-        spread = f"{row['ratio_min']:.3f}-{row['ratio_max']:.3f}"
-        print(
-            f"{name:<10}{1e3 * row['plain']:>12.3f}{1e3 * row['stated']:>12.3f}{row['ratio']:>8.3f}{spread:>14}",
-            flush=True,
-        )
+        rows = worker_cost(PIPELINES[name], args.batches or DEFAULT_BATCHES[name], args.runs, baseline)
+        for version, row in rows.items():
+            spread = f"{row['ratio_min']:.3f}-{row['ratio_max']:.3f}"
+            print(
+                f"{name:<10}{version:<10}{1e3 * row['plain']:>12.3f}{1e3 * row['stated']:>12.3f}"
+                f"{row['ratio']:>8.3f}{spread:>14}",
+                flush=True,
+            )
 
 
 def main() -> None:
@@ -342,7 +360,7 @@ def main() -> None:
         build_bpe().close()  # its tokenizer trained and cached here, not by the first workers at once
     torch.set_num_threads(1)
     if args.in_process:
-        main_in_process(args)
+        main_in_process(args, baseline)
         return
 
     print(

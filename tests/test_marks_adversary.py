@@ -97,6 +97,24 @@ def dumped(state: dict[str, Any]) -> bytes:
     return orjson.dumps(state)
 
 
+def comparable(state: Any) -> bytes:
+    """A state's bytes with each streaming packer's references as lists: a packer's saved form
+    (their layout, a base and the log since) depends on when its earlier states were taken,
+    which a read-ahead's marks change (``test_a_packers_state_taken_at_other_times...``);
+    the references, and everything else, do not."""
+    return dumped(references_listed(state))
+
+
+def references_listed(state: Any) -> Any:
+    if isinstance(state, list):
+        return [references_listed(value) for value in state]
+    if not isinstance(state, dict):
+        return state
+    if state.get("kind") == "Pack" and state.get("buffer_size") is not None:
+        state = expand_references(state)
+    return {key: references_listed(value) for key, value in state.items()}
+
+
 def roundtrip(state: dict[str, Any]) -> dict[str, Any]:
     return json.loads(json.dumps(state))
 
@@ -120,16 +138,12 @@ class Twin:
                 except StopIteration:
                     got.append(("end", None))
             assert got[0] == got[1]
-            # A read-ahead takes a mark, and so the progress of every node, after every item;
-            # a packer's saved reference layout depends on when it was last saved
-            # (test_a_packers_state_depends_on_when_it_was_taken), so the serial side does too.
-            self.serial._mark()
 
     def check(self) -> None:
-        expected = wrapped(self.serial.get_state(), self.reader, self.serial.ended)
+        expected = comparable(wrapped(self.serial.get_state(), self.reader, self.serial.ended))
         state = self.ahead.get_state()
-        assert dumped(state) == dumped(expected)
-        assert dumped(self.ahead.get_state()) == dumped(expected)  # twice in a row
+        assert comparable(state) == expected
+        assert comparable(self.ahead.get_state()) == expected  # twice in a row
 
     def close(self) -> None:
         self.serial.close()

@@ -42,7 +42,17 @@ from resumable.pack._entries import (
     STATS,
     STRATEGY,
 )
-from resumable.pack._events import FLUSH, INHERITED_PULL, ROW, Event, Pulled, event_limit, parsed_events
+from resumable.pack._events import (
+    FLUSH,
+    INHERITED_PULL,
+    NEXT_RECORD,
+    ROW,
+    Event,
+    Pulled,
+    event_limit,
+    next_record,
+    parsed_events,
+)
 from resumable.pack._pieces import (
     Piece,
     Refetcher,
@@ -98,6 +108,7 @@ class BufferedRows:
         self._events: list[int] = []
         self._event_limit = event_limit(0)
         self._event_origins: tuple[int, list[Any]] = (0, [])  # the table's origins saved, by count
+        self._last_logged: RecordKey | None = None  # the key of the last document logged
         self._reserves = documents.length_fn is not None  # whether states save RESERVED
         self._ready: deque[Row] = deque()
         self._span: int | None = None  # the slot of the whole rows left of a long document
@@ -298,14 +309,19 @@ class BufferedRows:
         events = self._events
         events.extend(event)
         if len(events) > self._event_limit:  # no state for a while: the next one is whole
-            self._base, self._events = None, []
+            self._base, self._events, self._last_logged = None, [], None
 
     def _log_document(self, key: RecordKey, full: int, end: int, extra: int) -> None:
-        self._log(self._table.origin(key[:-2]), key[-2], key[-1], full, end, extra)
+        follows = not full and not extra and next_record(self._last_logged, key)
+        self._last_logged = key  # before logging, which may drop the log (and forget it)
+        if follows:
+            self._log(NEXT_RECORD - end)
+        else:
+            self._log(self._table.origin(key[:-2]), key[-2], key[-1], full, end, extra)
 
     def _rebase(self, progress: dict[str, Any]) -> None:
         """``progress``, a whole one, is what the next states build on."""
-        self._base, self._events = progress, []
+        self._base, self._events, self._last_logged = progress, [], None
         self._event_limit = event_limit(sum(progress[SECTIONS]))
 
     def _saved_origins(self) -> list[Any]:
@@ -543,7 +559,8 @@ def expand_references(state: dict[str, Any]) -> dict[str, Any]:
     """A streaming packer's own state (``kind`` Pack) with its piece references as lists
     ``[*mix component names, epoch, record, token_start, token_end]`` under ``open``,
     ``ready``, ``span`` and ``inherited``, as states held them before the compact form (for
-    tools and tests that read them; ``set_state`` takes either form)."""
+    tools and tests that read them; ``set_state`` takes either form); a base and the log since
+    are resolved into the whole state they stand for first."""
     return listed(state, str(state.get("kind", "Pack")))
 
 
@@ -608,8 +625,12 @@ def resolved(state: dict[str, Any], path: str) -> dict[str, Any]:
     rows._replay(events, origins, path)
     rows._reserves = LENGTH_FN in state
     progress = rows.whole_progress()
-    whole = {key: value for key, value in state.items() if key not in SINCE_ENTRIES}
-    whole.update({key: value for key, value in progress.items() if key != STATS})
+    whole: dict[str, Any] = {}
+    for key, value in state.items():  # in a whole state's order: the progress where the base was
+        if key == BASE_PROGRESS:
+            whole.update((entry, saved) for entry, saved in progress.items() if entry != STATS)
+        elif key not in SINCE_ENTRIES:
+            whole[key] = value
     return whole
 
 

@@ -19,7 +19,7 @@ Two parts, printed side by side:
    text inside), its time and peak Python memory (tracemalloc, second call, untimed); its six
    workers' ``set_state`` and first row; the new rank's Loader state then and after that row.
 
-    python bench/bench_elastic.py [--rank 1500] [--sample 256] [--processes 2] [--drift 64]
+    python bench/bench_elastic.py [--rank 1500] [--sample 256] [--processes 2] [--drift 64] [--state-every-row]
 """
 
 from __future__ import annotations
@@ -134,11 +134,19 @@ def consumer_pipeline(consumer: int, workers: int, ranks: int) -> rs.Node:
 
 
 def old_worker_state(consumer: int) -> str:
-    """A real old worker's pipeline state after 3-11 rows, as JSON text (as its Loader holds it)."""
+    """A real old worker's pipeline state after 3-11 rows, as JSON text (as its Loader holds it);
+    with ``STATE_EVERY_ROW``, taken after every row, as a Loader's worker does with every batch."""
     pipe = consumer_pipeline(consumer, OLD_WORKERS, OLD_RANKS)
     for _ in range(3 + consumer * 7919 % 9):
         next(pipe)
+        if STATE_EVERY_ROW[0]:
+            pipe.get_state()
     return orjson.dumps(pipe.get_state()).decode()
+
+
+STATE_EVERY_ROW = [False]
+"""Set by ``--state-every-row`` (the old workers' processes are forked, so they see it): the old
+workers' packers then save a base and the log since (docs/packing.md)."""
 
 
 def relabelled(text: str, consumer: int) -> str:
@@ -289,6 +297,9 @@ def with_packer(rank: int, sample: int, processes: int, rows_later: list[int]) -
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument(
+        "--state-every-row", action="store_true", help="old workers take a state after every row (a Loader's)"
+    )
     parser.add_argument("--drift", type=int, default=64, help="how far workers' cursors drift apart")
     parser.add_argument("--rank", type=int, default=NEW_RANKS // 2, help="the new rank whose restore is measured")
     parser.add_argument("--sample", type=int, default=256, help="old workers run for real besides the inherited ones")
@@ -297,6 +308,7 @@ def main() -> None:
         "--later", type=int, nargs="*", default=[300, 1000], help="rows per new worker before measuring again"
     )
     args = parser.parse_args()
+    STATE_EVERY_ROW[0] = args.state_every_row
     arithmetic(args.drift)
     with_packer(args.rank, args.sample, args.processes, args.later)
 

@@ -7,12 +7,17 @@ the map is pure, so the state is the same) and restored into a freshly built pip
 map's cost on; the figure is ``set_state`` + the first row, beside the time the uninterrupted
 pipeline takes for that same row (what any run pays there, restored or not).
 
+With ``--state-every-row`` the pipeline also takes a state after every row before the point, as
+a ``rs.torch.Loader`` worker does with every batch, so the state restored is a packer's base and
+the log since it (docs/packing.md, "States taken often") rather than a whole one.
+
 Baseline: ``--old DIR`` runs the same measurements with the ``resumable`` found in ``DIR`` (a
 ``git worktree`` of an older commit), in alternating subprocesses; each figure is the median
 over ``--runs`` rounds. Packing throughput and efficiency of both are printed too.
 
     .venv/bin/python bench/bench_restore.py --old /tmp/old          # the tables
     .venv/bin/python bench/bench_restore.py --old /tmp/old --plot   # and docs/restore_vs_buffer.png
+    .venv/bin/python bench/bench_restore.py --old /tmp/old --state-every-row
 """
 
 from __future__ import annotations
@@ -74,6 +79,10 @@ def build(rs: Any, docs: list[dict[str, Any]], strategy: str, buffer_size: int, 
     return pipe.pack(SEQ_LEN, strategy=strategy, buffer_size=buffer_size)
 
 
+STATE_EVERY_ROW = [False]
+"""Whether the pipeline takes a state after every row before the one restored (``--state-every-row``)."""
+
+
 def restore_ms(rs: Any, docs: list[dict[str, Any]], strategy: str, buffer: int, chain: str, cost_ms: float) -> dict:
     """States at each point, then (restored, uninterrupted) ms of the row that follows."""
     cost_s[0] = 0.0
@@ -84,6 +93,8 @@ def restore_ms(rs: Any, docs: list[dict[str, Any]], strategy: str, buffer: int, 
         pipe = build(rs, docs, strategy, buffer, chain)
         for _ in range(max(1, int(rows * point))):
             next(pipe)
+            if STATE_EVERY_ROW[0]:
+                pipe.get_state()
         state = json.loads(json.dumps(pipe.get_state()))
         cost_s[0] = cost_ms / 1000
         start = time.perf_counter()
@@ -125,10 +136,11 @@ def measure(plot: bool) -> dict:
     return figures
 
 
-def run(tree: Path, plot: bool) -> dict:
+def run(tree: Path, plot: bool, state_every_row: bool) -> dict:
     """``measure`` in a subprocess importing ``resumable`` from ``tree``."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
     command = [sys.executable, __file__, "--measure"] + (["--plot"] if plot else [])
+    command += ["--state-every-row"] if state_every_row else []
     done = subprocess.run(command, env=env, cwd=tree, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"the measurement with {tree} failed:\n{done.stderr}")
@@ -144,8 +156,10 @@ def main() -> None:
     parser.add_argument("--old", type=Path, help="a tree holding the baseline's resumable package")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--plot", action="store_true", help=f"also write {PLOT.relative_to(ROOT)}")
+    parser.add_argument("--state-every-row", action="store_true", help="a state after every row before each point")
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    STATE_EVERY_ROW[0] = args.state_every_row
     if args.measure:
         print(json.dumps(measure(args.plot)))
         return
@@ -153,7 +167,7 @@ def main() -> None:
     rounds: dict[str, list[dict]] = {name: [] for name in trees}
     for _ in range(args.runs):  # alternating: old, new, old, new, ...
         for name in reversed(trees):
-            rounds[name].append(run(trees[name], args.plot))
+            rounds[name].append(run(trees[name], args.plot, args.state_every_row))
     print(f"load: {os.getloadavg()[0]:.2f} (1 min); {DOCUMENTS} documents, seq_len {SEQ_LEN}, median of {args.runs}")
     print("set_state + first row, ms (uninterrupted run's same row, ms)")
     header = f"{'strategy':10} {'chain':13} {'buffer':>6} {'map':>5}" + "".join(

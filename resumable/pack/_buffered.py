@@ -109,6 +109,7 @@ class BufferedRows:
         self._event_limit = event_limit(0)
         self._event_origins: tuple[int, list[Any]] = (0, [])  # the table's origins saved, by count
         self._last_logged: RecordKey | None = None  # the key of the last document logged
+        self._row_run_end = 0  # the log's length after its last run of rows, whose count ends it
         self._reserves = documents.length_fn is not None  # whether states save RESERVED
         self._ready: deque[Row] = deque()
         self._span: int | None = None  # the slot of the whole rows left of a long document
@@ -131,7 +132,7 @@ class BufferedRows:
                 raise StopIteration
             self._pull()
         segments = self._hand_out(fetch=True)
-        self._log(ROW)
+        self._log_row()
         return segments
 
     def _hand_out(self, fetch: bool) -> list[Segment]:
@@ -309,7 +310,16 @@ class BufferedRows:
         events = self._events
         events.extend(event)
         if len(events) > self._event_limit:  # no state for a while: the next one is whole
-            self._base, self._events, self._last_logged = None, [], None
+            self._forget_log(None)
+
+    def _log_row(self) -> None:
+        """A row handed out: one more in the log's run of rows, or a new run."""
+        events = self._events
+        if events and len(events) == self._row_run_end:
+            events[-1] += 1
+        else:
+            self._log(ROW, 1)
+            self._row_run_end = len(self._events)
 
     def _log_document(self, key: RecordKey, full: int, end: int, extra: int) -> None:
         follows = not full and not extra and next_record(self._last_logged, key)
@@ -321,8 +331,12 @@ class BufferedRows:
 
     def _rebase(self, progress: dict[str, Any]) -> None:
         """``progress``, a whole one, is what the next states build on."""
-        self._base, self._events, self._last_logged = progress, [], None
+        self._forget_log(progress)
         self._event_limit = event_limit(sum(progress[SECTIONS]))
+
+    def _forget_log(self, base: dict[str, Any] | None) -> None:
+        """An empty log after ``base`` (None: the next state is whole)."""
+        self._base, self._events, self._last_logged, self._row_run_end = base, [], None, 0
 
     def _saved_origins(self) -> list[Any]:
         """The key prefixes the logged documents' origins index, as saved (kept while they do not grow)."""
@@ -358,7 +372,7 @@ class BufferedRows:
             if self._span is None and not self._ready:
                 raise StateError(f"{where}: a row is handed out that the buffer does not hold")
             self._hand_out(fetch=False)
-            self._log(ROW)
+            self._log_row()
         elif event == INHERITED_PULL:
             if self._inherited_taken >= len(self._inherited):
                 raise StateError(f"{where}: an inherited piece is placed that the state does not hold")

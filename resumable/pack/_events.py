@@ -10,7 +10,8 @@ records as their rows are handed out, as after any restore.
 
 The log is a list of ints, one event after the other:
 
-- ``ROW``: a row was handed out (the span's next whole row, or the first ready row);
+- ``ROW, n``: ``n`` rows were handed out, one after the other (each the span's next whole row,
+  or the first ready row): a packer hands out a round's rows over many batches;
 - ``INHERITED_PULL``: the next piece inherited in a rescale was placed;
 - ``FLUSH``: the upstream's epoch ended and the open rows were closed;
 - a document: ``origin, epoch, record, full, end, extra`` (``DOCUMENT_INTS`` ints, ``origin``
@@ -88,6 +89,13 @@ def parsed_events(events: Any, origins: Any, seq_len: int, path: str) -> Iterato
             previous = (*previous[:-1], previous[-1] + 1)
             yield Pulled(previous, 0, end, 0)
             at += 1
+            continue
+        if code == ROW:
+            count = events[at + 1] if at + 1 < len(events) else None
+            if not is_count(count) or not count:
+                raise StateError(f"{path}: event {at} hands out rows without a count >= 1 after it")
+            yield from [ROW] * count
+            at += 2
             continue
         if code < 0:
             if code == NEXT_RECORD:

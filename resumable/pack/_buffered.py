@@ -107,6 +107,7 @@ class BufferedRows:
         self._base: dict[str, Any] | None = None
         self._events: list[int] = []
         self._event_limit = event_limit(0)
+        self._base_pieces = 0  # the pieces the base holds
         self._event_origins: tuple[int, list[Any]] = (0, [])  # the table's origins saved, by count
         self._last_logged: RecordKey | None = None  # the key of the last document logged
         self._row_run_end = 0  # the log's length after its last run of rows, whose count ends it
@@ -332,7 +333,8 @@ class BufferedRows:
     def _rebase(self, progress: dict[str, Any]) -> None:
         """``progress``, a whole one, is what the next states build on."""
         self._forget_log(progress)
-        self._event_limit = event_limit(sum(progress[SECTIONS]))
+        self._base_pieces = sum(progress[SECTIONS])
+        self._event_limit = event_limit(self._base_pieces)
 
     def _forget_log(self, base: dict[str, Any] | None) -> None:
         """An empty log after ``base`` (None: the next state is whole)."""
@@ -402,12 +404,14 @@ class BufferedRows:
 
     def progress(self) -> dict[str, Any]:
         """What a state saves of the buffer: the last whole progress (``whole_progress``) and the
-        log of what happened since (``_events``), or, when there is no such progress yet or the log
-        has grown past half its limit, a whole progress, on which the next states build."""
+        log of what happened since (``_events``), or a whole progress, on which the next states
+        build, when there is none yet, when the log has grown past half its limit, or when the
+        buffer holds under three quarters of the base's pieces (a round's rows handed out: the
+        base would be mostly pieces gone)."""
         if self._saved is not None and self._saved[0] == self._changes:
             return self._saved[1]
         base, events = self._base, self._events
-        if base is None or 2 * len(events) > self._event_limit:
+        if base is None or 2 * len(events) > self._event_limit or 4 * len(self._pieces) < 3 * self._base_pieces:
             progress = self.whole_progress()
             self._rebase(progress)
         elif not events and self.counts == base[STATS]:

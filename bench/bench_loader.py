@@ -31,7 +31,10 @@ lockstep, one batch each in turn, one plain and one followed by what a Loader wo
 every batch (``WorkerIterator.state_dict()``: ``get_state()`` and its JSON encoding), timed
 in CPU seconds of the process (a loaded machine's preemptions do not count); the ratio is the
 plain copy's seconds / the other's, the best a Loader can reach when its workers are the
-bottleneck.
+bottleneck. ``state us`` is the wall time of that ``state_dict()`` call alone, right after the
+batch (median over runs of the mean per batch), ``kB`` the median size of the JSON it ships;
+with ``--baseline``, a third copy built and saved by the other version advances in the same
+lockstep.
 
     python bench/bench_loader.py [--batches N] [--workers 2 4] [--runs 5] [--pipelines tokens packed bpe]
     python bench/bench_loader.py --in-process [--batches N] [--runs 5] [--pipelines tokens packed bpe]
@@ -274,6 +277,8 @@ def worker_cost(
         versions["baseline"] = (baseline, importlib.import_module(f"{baseline.__name__}.torch.dataset").WorkerIterator)
     times: dict[str, list[float]] = {"plain": [], **{name: [] for name in versions}}
     ratios: dict[str, list[float]] = {name: [] for name in versions}
+    state_times: dict[str, list[float]] = {name: [] for name in versions}
+    sizes: dict[str, list[int]] = {name: [] for name in versions}
     for _ in range(runs):
         plain = build()
         workers = {name: iterator(build(package), epoch=0) for name, (package, iterator) in versions.items()}
@@ -281,6 +286,7 @@ def worker_cost(
         for worker in workers.values():
             next(worker)
         spent = dict.fromkeys(times, 0.0)
+        in_state = dict.fromkeys(versions, 0.0)
         for _ in range(batches):
             start = time.process_time()
             next(plain)
@@ -288,8 +294,11 @@ def worker_cost(
             for name, worker in workers.items():
                 start = time.process_time()
                 next(worker)
-                worker.state_dict()
+                middle = time.perf_counter()
+                shipped = worker.state_dict()
+                in_state[name] += time.perf_counter() - middle
                 spent[name] += time.process_time() - start
+                sizes[name].append(len(shipped["pipeline"]))
         plain.close()
         for worker in workers.values():
             worker.pipeline.close()
@@ -297,6 +306,7 @@ def worker_cost(
             times[name].append(seconds / batches)
         for name in versions:
             ratios[name].append(spent["plain"] / spent[name])
+            state_times[name].append(in_state[name] / batches)
     return {
         name: {
             "plain": statistics.median(times["plain"]),
@@ -304,6 +314,8 @@ def worker_cost(
             "ratio": statistics.median(ratios[name]),
             "ratio_min": min(ratios[name]),
             "ratio_max": max(ratios[name]),
+            "state_us": 1e6 * statistics.median(state_times[name]),
+            "kB": statistics.median(sizes[name]) / 1000,
         }
         for name in versions
     }
@@ -320,14 +332,17 @@ def main_in_process(args: argparse.Namespace, baseline: Any) -> None:
         f"in one process: {batches_label(args)} of {BATCH} rows per run, {args.runs} runs, medians; "
         "a plain copy and a copy taking a worker's state after every batch, in lockstep"
     )
-    print(f"{'pipeline':<10}{'version':<10}{'plain ms/b':>12}{'state ms/b':>12}{'ratio':>8}{'(min-max)':>14}")
+    print(
+        f"{'pipeline':<10}{'version':<10}{'plain ms/b':>12}{'state ms/b':>12}{'ratio':>8}{'(min-max)':>14}"
+        f"{'state us':>10}{'kB':>7}"
+    )
     for name in args.pipelines:
         rows = worker_cost(PIPELINES[name], args.batches or DEFAULT_BATCHES[name], args.runs, baseline)
         for version, row in rows.items():
             spread = f"{row['ratio_min']:.3f}-{row['ratio_max']:.3f}"
             print(
                 f"{name:<10}{version:<10}{1e3 * row['plain']:>12.3f}{1e3 * row['stated']:>12.3f}"
-                f"{row['ratio']:>8.3f}{spread:>14}",
+                f"{row['ratio']:>8.3f}{spread:>14}{row['state_us']:>10.1f}{row['kB']:>7.1f}",
                 flush=True,
             )
 

@@ -3,8 +3,9 @@
 A pipeline ``from_list -> shuffle -> shard -> repeat -> map -> pack(best_fit) -> batch(8)``
 over documents of a corpus's lengths (log-normal fits, as in ``bench_pack.py``) is iterated
 ``--batches`` batches; after each, the packer's ``_progress()`` (its own part of the state),
-the whole pipeline's ``get_state()`` and the orjson encoding of it (what a Loader worker sends
-with every batch) are timed, and the medians printed with the state's size.
+the whole pipeline's ``get_state()`` (which then reuses that progress) and the orjson encoding
+of it (what a Loader worker sends with every batch) are timed, and the medians printed with
+their sum per batch (``total``: what a worker adds per batch) and the state's size.
 
 With ``--baseline NAME`` the same runs alternate with a copy of the package importable as
 ``NAME`` (for example an earlier version copied under another name, its imports renamed), so
@@ -62,7 +63,7 @@ def measure(package: ModuleType, docs: list[dict[str, np.ndarray]], buffer_size:
     """Medians over ``batches`` batches: packer progress, pipeline state and orjson (us), and
     the encoded state's median and largest size (kB)."""
     pipe, pack = build(package, docs, buffer_size)
-    progress, state, encode, sizes = [], [], [], []
+    progress, state, encode, total, sizes = [], [], [], [], []
     for _ in range(batches):
         next(pipe)
         start = time.perf_counter()
@@ -74,11 +75,13 @@ def measure(package: ModuleType, docs: list[dict[str, np.ndarray]], buffer_size:
         start = time.perf_counter()
         data = orjson.dumps(saved)
         encode.append(time.perf_counter() - start)
+        total.append(progress[-1] + state[-1] + encode[-1])
         sizes.append(len(data))
     return {
         "progress": 1e6 * statistics.median(progress),
         "state": 1e6 * statistics.median(state),
         "orjson": 1e6 * statistics.median(encode),
+        "total": 1e6 * statistics.median(total),
         "kB": statistics.median(sizes) / 1000,
         "max kB": max(sizes) / 1000,
     }
@@ -124,10 +127,10 @@ def main() -> None:
             f"{corpus}, best_fit({args.buffer_size}), seq_len {SEQ_LEN}, {args.batches} batches of {BATCH}, "
             f"{args.runs} alternating runs (per run: median over batches; min-max over runs)"
         )
-        print(f"{'':<10}{'progress us':>16}{'get_state us':>16}{'orjson us':>14}{'kB':>8}{'max kB':>8}")
+        print(f"{'':<10}{'progress us':>16}{'get_state us':>16}{'orjson us':>14}{'total us':>12}{'kB':>8}{'max kB':>8}")
         for name, rows in results.items():
             cells = []
-            for field, width in (("progress", 16), ("state", 16), ("orjson", 14)):
+            for field, width in (("progress", 16), ("state", 16), ("orjson", 14), ("total", 12)):
                 values = [row[field] for row in rows]
                 cells.append(f"{f'{min(values):.0f}-{max(values):.0f}':>{width}}")
             print(f"{name:<10}{''.join(cells)}{rows[0]['kB']:>8.1f}{rows[0]['max kB']:>8.1f}", flush=True)

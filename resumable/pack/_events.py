@@ -94,7 +94,8 @@ def parsed_events(events: Any, origins: Any, seq_len: int, path: str) -> Iterato
             count = events[at + 1] if at + 1 < len(events) else None
             if not is_count(count) or not count:
                 raise StateError(f"{path}: event {at} hands out rows without a count >= 1 after it")
-            yield from [ROW] * count
+            for _ in range(count):  # lazily: a damaged count fails at the first row the buffer lacks
+                yield ROW
             at += 2
             continue
         if code < 0:

@@ -597,15 +597,10 @@ def test_a_log_with_a_huge_row_count_is_a_state_error_at_once(kind: str) -> None
         expand_references(pack_state(state))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=OverflowError,
-    reason="a document event's extra >= 2**63 or token end >= 2**64 (ints a JSON file holds) reaches "
-    "RefTable.add (BufferedRows._add) unchecked and overflows its int64/uint64 columns: set_state and "
-    "expand_references raise OverflowError instead of StateError",
-)
 @pytest.mark.parametrize("kind", OVERFLOWING)
 def test_a_document_event_with_a_huge_int_is_a_state_error(kind: str) -> None:
+    """An extra >= 2**63 or a token end >= 2**64 (ints a JSON file holds) is refused as the log is
+    read; it once reached the references' int64/uint64 columns and raised OverflowError."""
     state = huge(kind)
     pipe = SCENARIOS["best_fit-pack-then-repeat"]()
     before = json.dumps(pipe.get_state())
@@ -653,17 +648,7 @@ def test_inspect_reads_a_logged_state_as_the_whole_one(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "kind",
-    [
-        "row_count_2**64",
-        pytest.param(
-            "extra_2**63",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="inspect crashes with an OverflowError traceback (exit 1) on a logged state whose "
-                "document event reserves 2**63 positions, instead of its one-line 'error:' (exit 2)",
-            ),
-        ),
-    ],
+    ["row_count_2**64", "extra_2**63"],
 )
 def test_inspect_reports_a_log_with_a_huge_int_as_an_error(tmp_path: Path, kind: str) -> None:
     path = tmp_path / "huge.json"

@@ -454,6 +454,38 @@ class BufferedRows:
             progress[RESERVED] = self._table.extras(slots)
         return progress
 
+    def listed_progress(self) -> dict[str, Any]:
+        """``whole_progress`` with the references as lists (``listed``'s form), built from the
+        pieces without packing them: what ``resolved`` gives."""
+        order = self._packer.state_order()
+        pieces, prefixes = self._pieces, dict[RecordKey, list[Any]]()
+
+        def ref(slot: int) -> list[Any]:
+            held = pieces[slot]
+            key = held.key
+            prefix = prefixes.get(key[:-2])
+            if prefix is None:
+                prefix = prefixes[key[:-2]] = saved_prefix(key[:-2])
+            return [*prefix, *held.ref[-4:]]
+
+        opened = [*order.pieces, *order.whole[order.whole_from :]]
+        ready = list(chain.from_iterable(self._ready))
+        span = [self._span] if self._span is not None else []
+        inherited = self._inherited[self._inherited_taken :].tolist()
+        progress: dict[str, Any] = {
+            OPEN: [ref(slot) for slot in opened],
+            READY: [ref(slot) for slot in ready],
+            SPAN: ref(span[0]) if span else [],
+            INHERITED: [ref(slot) for slot in inherited],
+            OPEN_SIZES: order.sizes,
+            READY_SIZES: list(map(len, self._ready)),
+            EXHAUSTED: self._exhausted,
+            STATS: dict(self.counts),
+        }
+        if self._reserves:
+            progress[RESERVED] = [pieces[slot].extra for slot in (*opened, *ready, *span, *inherited)]
+        return progress
+
     def _ready_state(self) -> tuple[np.ndarray, list[int]]:
         """The slots of the ready rows' pieces, and each row's size."""
         if self._ready_slots is None:
@@ -493,6 +525,7 @@ class BufferedRows:
             return fetcher.lazy(entry, where, next(extras)) if lazy else fetcher.piece(entry, where)
 
         rows = cls._loaded(pack.upstream, pack._documents, packer, whole, listed_whole, path, dict(counts), make)
+        fetcher.parsed_all()
         rows._fetcher = fetcher
         if since is not None:
             rows._replay(since[1], since[2], path)
@@ -514,13 +547,15 @@ class BufferedRows:
         path: str,
         counts: dict[str, int],
         make: Callable[[Any, str], Piece],
+        adopt: bool = True,
     ) -> BufferedRows:
         """The rows of a whole ``state`` (no events; ``listed_state`` is its ``listed`` form), each
-        saved reference made a piece by ``make``; a compact state becomes the base of the next states."""
+        saved reference made a piece by ``make``; a compact state becomes the base of the next
+        states. Without ``adopt`` (rows that are never saved) the references are not packed."""
         seq_len = documents.seq_len
         compact = state.get(REFS)
         table = RefTable()
-        if compact is not None:  # checked by ``listed``: the pieces are saved again as they were saved
+        if compact is not None and adopt:  # checked by ``listed``: the pieces are saved again as they were saved
             table.adopt(compact)
         open_groups = grouped(listed_state, OPEN, OPEN_SIZES, path)
         ready_rows = grouped(listed_state, READY, READY_SIZES, path)
@@ -616,9 +651,10 @@ def _entries(state: dict[str, Any]) -> list[tuple[Any, str]]:
 
 
 def resolved(state: dict[str, Any], path: str) -> dict[str, Any]:
-    """A packer state saved as a base and the events since as the whole state it stands for: the
-    strategy (from the state's options) replays the events over the base's pieces by planning
-    alone (no record is read), then saves every piece held, as a state taken then would."""
+    """A packer state saved as a base and the events since as the whole state it stands for, its
+    references as lists (``listed``): the strategy (from the state's options) replays the events
+    over the base's pieces by planning alone (no record is read), then lists every piece held,
+    as a state taken then would save them."""
     since = _since(state, path)
     if since is None:
         return state
@@ -633,22 +669,33 @@ def resolved(state: dict[str, Any], path: str) -> dict[str, Any]:
     listed_base = listed(base, path)
     reserved = iter(saved_reserved(listed_base, _piece_count(listed_base), LENGTH_FN in state, path) or [])
 
+    prefixes: dict[tuple[int, ...], RecordKey] = {}  # the base's references share their prefixes
+
     def make(entry: Any, where: str) -> Piece:
-        parts = reference_parts(entry)
+        parts = reference_parts(entry, prefixes)
         if parts is None or parts[1] >= parts[2]:
             raise StateError(f"{path}: {where} entry {entry!r:.80} is not a piece reference")
         return piece(*parts, None, next(reserved, 0))
 
-    rows = BufferedRows._loaded(None, documents, packer, base, listed_base, path, dict.fromkeys(COUNTERS, 0), make)
+    rows = BufferedRows._loaded(
+        None, documents, packer, base, listed_base, path, dict.fromkeys(COUNTERS, 0), make, adopt=False
+    )
     rows._replay(events, origins, path)
     rows._reserves = LENGTH_FN in state
-    progress = rows.whole_progress()
+    progress = rows.listed_progress()
+    lists = {key: progress.pop(key) for key in (OPEN, READY, SPAN, INHERITED)}
+    reserved = progress.pop(RESERVED, None)
     whole: dict[str, Any] = {}
-    for key, value in state.items():  # in a whole state's order: the progress where the base was
+    for key, value in state.items():  # in the order ``listed`` gives a whole state's entries
         if key == BASE_PROGRESS:
             whole.update((entry, saved) for entry, saved in progress.items() if entry != STATS)
+        elif key == STATS:
+            whole[STATS] = value
+            if reserved is not None:
+                whole[RESERVED] = reserved
         elif key not in SINCE_ENTRIES:
             whole[key] = value
+    whole.update(lists)
     return whole
 
 
@@ -660,7 +707,8 @@ def listed(state: dict[str, Any], path: str) -> dict[str, Any]:
     ``SPAN`` and ``INHERITED``: the form states took before ``REFS`` (which still load as they
     are), and what ``restored`` and ``rescaled`` read. A state saved as a base and the events
     since is ``resolved`` first."""
-    state = resolved(state, path)
+    if any(key in state for key in SINCE_ENTRIES):
+        return resolved(state, path)
     if REFS not in state:
         return state
     refs = decode(state[REFS], path, REFS)

@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import Any, Iterator, NamedTuple, Union
 
 from resumable.core.keys import RecordKey, loaded_prefix
+from resumable.core.state import INT64_MAX
 from resumable.errors import StateError
 from resumable.pack._pieces import is_count
 
@@ -108,6 +109,8 @@ def parsed_events(events: Any, origins: Any, seq_len: int, path: str) -> Iterato
         if len(fields) < DOCUMENT_INTS - 1 or not all(is_count(value) for value in fields) or code >= len(prefixes):
             raise StateError(f"{path}: event {at} is not a document (origin, epoch, record, full, end, extra)")
         epoch, record, full, end, extra = fields
+        if max(fields) > INT64_MAX:  # past what a state's references and counters can hold
+            raise StateError(f"{path}: event {at} holds a number above {INT64_MAX}")
         if not 0 <= full <= end or end == 0 or full % seq_len or end - full > seq_len:
             raise StateError(f"{path}: event {at} cuts tokens [0, {full}) and [{full}, {end}) out of rows of {seq_len}")
         previous = (*prefixes[code], epoch, record)

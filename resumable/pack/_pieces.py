@@ -75,11 +75,13 @@ class Refetcher:
         self._check_key = check
         self._records: dict[RecordKey, Document] = {}
         self._waiting: dict[RecordKey, int] = {}  # pieces not fetched yet, per record
+        # While one state's references are parsed: their prefixes read so far (``reference_parts``).
+        self._prefixes: dict[tuple[int, ...], RecordKey] | None = {}
 
     def parse(self, entry: Any, where: str) -> tuple[RecordKey, int, int]:
         """``(key, token_start, token_end)`` of a saved reference ``[*key, start, end]``: the key
         is an epoch and a record index, behind the names of the mix components it came through."""
-        parts = reference_parts(entry)
+        parts = reference_parts(entry, self._prefixes)
         if parts is not None:
             key, start, end = parts
             if start < end:
@@ -113,6 +115,10 @@ class Refetcher:
         document = self._records[key]
         self._check(key, start, end, document, document.extra, where)
         return piece(key, start, end, document)
+
+    def parsed_all(self) -> None:
+        """The saved references are all parsed: forget their prefixes (their objects may go)."""
+        self._prefixes = None
 
     def key_problem(self, key: RecordKey) -> str | None:
         """What is wrong with ``key``, where the upstream can tell without fetching (else None)."""
@@ -193,16 +199,35 @@ def grouped(state: Mapping[str, Any], key: str, sizes_key: str, path: str) -> li
     return groups
 
 
-def reference_parts(entry: Any) -> tuple[RecordKey, int, int] | None:
+def reference_parts(
+    entry: Any, prefixes: dict[tuple[int, ...], RecordKey] | None = None
+) -> tuple[RecordKey, int, int] | None:
     """``(key, start, end)`` of a saved reference ``[*prefix, epoch, record, start, end]``
     (``loaded_prefix``: mix component names, then a stride) of ints >= 0; None where ``entry``
-    is not one. Whether ``start < end`` is left to the caller."""
+    is not one. Whether ``start < end`` is left to the caller. ``prefixes`` memoizes the prefixes
+    read, by the identity of their parts: for the references of one state, all alive meanwhile,
+    whose prefixes a decoded encoding shares (``_refs.decode``)."""
     if not isinstance(entry, list) or len(entry) < PIECE_FIELDS:
         return None
-    prefix = loaded_prefix(entry[:-PIECE_FIELDS])
-    if prefix is None or not all(is_count(value) for value in entry[-PIECE_FIELDS:]):
+    epoch, record, start, end = entry[-PIECE_FIELDS:]
+    if not (_is_int(epoch) and _is_int(record) and _is_int(start) and _is_int(end)):
         return None
-    return (*prefix, *entry[-PIECE_FIELDS:-2]), entry[-2], entry[-1]
+    if epoch < 0 or record < 0 or start < 0 or end < 0:
+        return None
+    parts = entry[:-PIECE_FIELDS]
+    identity = tuple(map(id, parts)) if prefixes is not None else None
+    prefix = prefixes.get(identity) if prefixes is not None and identity is not None else None
+    if prefix is None:
+        prefix = loaded_prefix(parts)
+        if prefix is None:
+            return None
+        if prefixes is not None and identity is not None:
+            prefixes[identity] = prefix
+    return (*prefix, epoch, record), start, end
+
+
+def _is_int(value: Any) -> bool:
+    return type(value) is int or (isinstance(value, int) and not isinstance(value, bool))
 
 
 def key_text(key: RecordKey) -> str:

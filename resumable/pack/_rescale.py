@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from resumable.core.keys import RecordKey
 from resumable.core.state import ENDED, KIND, UPSTREAM, VERSION, require
 from resumable.errors import StateError
 from resumable.pack._buffered import SINCE_ENTRIES, listed, saved_reserved
@@ -82,8 +83,9 @@ def rescaled(pack: Pack, olds: list[dict[str, Any]], path: str, consumer: int, n
         opened, ready, inherited = sections
         held = [*inherited, *([span] if span else []), *ready, *opened]
         extras = _extras(old, [len(opened), len(ready), 1 if span else 0, len(inherited)], pack, where)
+        prefixes: dict[tuple[int, ...], RecordKey] = {}  # one state's references share their prefixes
         for entry in held:
-            key, start, end = _parsed(entry, where)
+            key, start, end = _parsed(entry, where, prefixes)
             slots.append(table.add(key, start, end))
         if extras is None or reserved is None:
             reserved = None
@@ -120,9 +122,10 @@ def _extras(old: dict[str, Any], counts: list[int], pack: Pack, where: str) -> l
     return [extra for part in reversed(parts) for extra in part]
 
 
-def _parsed(entry: Any, where: str) -> tuple[tuple[Any, ...], int, int]:
-    """``(key, start, end)`` of a piece reference ``[*component names, epoch, record, start, end]``."""
-    parts = reference_parts(entry)
+def _parsed(entry: Any, where: str, prefixes: dict[tuple[int, ...], RecordKey]) -> tuple[tuple[Any, ...], int, int]:
+    """``(key, start, end)`` of a piece reference ``[*component names, epoch, record, start, end]``
+    (``prefixes``: see ``reference_parts``)."""
+    parts = reference_parts(entry, prefixes)
     if parts is not None and all(value < REF_LIMIT for value in entry[-PIECE_FIELDS:]) and parts[1] < parts[2]:
         return parts
     raise StateError(

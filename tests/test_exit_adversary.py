@@ -36,6 +36,10 @@ LEFT_BEHIND_LIMIT_S = 20.0  # only a hang guard: processes go within millisecond
 JOB = r'''
 import json, os, signal, sys, time
 
+# As a script started from a terminal: a parent started in the background by a shell without job
+# control passes SIGINT on ignored, and Python then installs no KeyboardInterrupt handler.
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
 import resumable as rs
 
 FOLDER = sys.argv[2]

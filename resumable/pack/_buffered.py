@@ -436,16 +436,11 @@ class BufferedRows:
         reference was packed when it arrived, and the slots in state order are kept as the
         strategy and the ready rows change, so a state is one gather of packed words by slot and
         its base64, not a pass over the buffer."""
-        order = self._packer.state_order()
-        ready_slots, ready_sizes = self._ready_state()
-        span = np.array([self._span] if self._span is not None else [], dtype=np.intp)
-        inherited = self._inherited[self._inherited_taken :]
-        opened = [self._open_slots.of(order.pieces), self._whole_slots.of(order.whole)[order.whole_from :]]
-        slots = np.concatenate([*opened, ready_slots, span, inherited])
+        slots, sections, open_sizes, ready_sizes = self._state_order()
         progress = {
             REFS: self._table.encode(slots),
-            SECTIONS: [len(opened[0]) + len(opened[1]), len(ready_slots), len(span), len(inherited)],
-            OPEN_SIZES: order.sizes,
+            SECTIONS: sections,
+            OPEN_SIZES: open_sizes,
             READY_SIZES: ready_sizes,
             EXHAUSTED: self._exhausted,
             STATS: dict(self.counts),
@@ -457,34 +452,43 @@ class BufferedRows:
     def listed_progress(self) -> dict[str, Any]:
         """``whole_progress`` with the references as lists (``listed``'s form), built from the
         pieces without packing them: what ``resolved`` gives."""
-        order = self._packer.state_order()
+        slots, (opened, ready, span, _), open_sizes, ready_sizes = self._state_order()
         pieces, prefixes = self._pieces, dict[RecordKey, list[Any]]()
 
         def ref(slot: int) -> list[Any]:
-            held = pieces[slot]
-            key = held.key
+            key = pieces[slot].key
             prefix = prefixes.get(key[:-2])
             if prefix is None:
                 prefix = prefixes[key[:-2]] = saved_prefix(key[:-2])
-            return [*prefix, *held.ref[-4:]]
+            return [*prefix, *pieces[slot].ref[-4:]]
 
-        opened = [*order.pieces, *order.whole[order.whole_from :]]
-        ready = list(chain.from_iterable(self._ready))
-        span = [self._span] if self._span is not None else []
-        inherited = self._inherited[self._inherited_taken :].tolist()
+        refs = [ref(slot) for slot in slots.tolist()]
         progress: dict[str, Any] = {
-            OPEN: [ref(slot) for slot in opened],
-            READY: [ref(slot) for slot in ready],
-            SPAN: ref(span[0]) if span else [],
-            INHERITED: [ref(slot) for slot in inherited],
-            OPEN_SIZES: order.sizes,
-            READY_SIZES: list(map(len, self._ready)),
+            OPEN: refs[:opened],
+            READY: refs[opened : opened + ready],
+            SPAN: refs[opened + ready] if span else [],
+            INHERITED: refs[opened + ready + span :],
+            OPEN_SIZES: open_sizes,
+            READY_SIZES: ready_sizes,
             EXHAUSTED: self._exhausted,
             STATS: dict(self.counts),
         }
         if self._reserves:
-            progress[RESERVED] = [pieces[slot].extra for slot in (*opened, *ready, *span, *inherited)]
+            progress[RESERVED] = self._table.extras(slots)
         return progress
+
+    def _state_order(self) -> tuple[np.ndarray, list[int], list[int], list[int]]:
+        """The slots of every piece held in state order (open groups, ready rows, span,
+        inherited), how many belong to each of the four, the open groups' sizes and the ready
+        rows' sizes."""
+        order = self._packer.state_order()
+        ready_slots, ready_sizes = self._ready_state()
+        span = np.array([self._span] if self._span is not None else [], dtype=np.intp)
+        inherited = self._inherited[self._inherited_taken :]
+        opened = [self._open_slots.of(order.pieces), self._whole_slots.of(order.whole)[order.whole_from :]]
+        slots = np.concatenate([*opened, ready_slots, span, inherited])
+        sections = [len(opened[0]) + len(opened[1]), len(ready_slots), len(span), len(inherited)]
+        return slots, sections, order.sizes, ready_sizes
 
     def _ready_state(self) -> tuple[np.ndarray, list[int]]:
         """The slots of the ready rows' pieces, and each row's size."""

@@ -86,22 +86,12 @@ def pack_state(state: dict[str, Any]) -> dict[str, Any]:
     return state
 
 
-def run(build: Build, rows: int) -> tuple[list[Any], list[dict[str, Any]]]:
-    """``rows`` rows across epochs, and the state (through JSON) after each."""
+def run(build: Build, rows: int, state: dict[str, Any] | None = None) -> tuple[list[Any], list[dict[str, Any]]]:
+    """``rows`` rows across epochs (after restoring ``state``, if given), and the state (through
+    JSON) after each."""
     pipe, items, states = build(), [], []
-    while len(items) < rows:
-        for row in pipe:
-            items.append(plain(row))
-            states.append(roundtrip(pipe.get_state()))
-            if len(items) == rows:
-                break
-    return items, states
-
-
-def continued(build: Build, state: dict[str, Any], rows: int) -> tuple[list[Any], list[dict[str, Any]]]:
-    pipe = build()
-    pipe.set_state(state)
-    items, states = [], []
+    if state is not None:
+        pipe.set_state(state)
     while len(items) < rows:
         for row in pipe:
             items.append(plain(row))
@@ -126,7 +116,7 @@ def test_every_state_taken_row_by_row_restores_exactly_and_saves_the_same_states
     if kind == "shard":  # a consumer reads its stride in order: most documents take one int
         assert any(code < NEXT_RECORD for i in logged for code in pack_state(states[i])[EVENTS])
     for at in sorted({0, 1, 2, len(states) // 3, len(states) // 2, len(states) - 2, *logged[::9]}):
-        after, their_states = continued(build, states[at], total - at - 1)
+        after, their_states = run(build, total - at - 1, states[at])
         assert after == items[at + 1 :], f"restored at row {at}"
         assert their_states == states[at + 1 :], f"states after the restore at row {at}"
 

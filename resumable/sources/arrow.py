@@ -17,6 +17,7 @@ changed is a ``SourceError``.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -67,14 +68,19 @@ def file_ipc_digest(source: pa.NativeFile) -> str:
     return f"arrow-ipc-metadata-xxh3_64:{hasher.hexdigest()}"
 
 
-def _read_batches(path: str, kind: str, data: pa.Buffer | None) -> list[pa.RecordBatch]:
+def _read_batches(
+    path: str, kind: str, data: pa.Buffer | None, opened: Callable[[int], None] | None = None
+) -> list[pa.RecordBatch]:
     """Record batches of an Arrow IPC file (file or streaming format): memory-mapped for a
-    local file, from ``data``, its bytes (``_object_buffer``), for a remote object."""
+    local file (``opened`` is given its descriptor once mapped), from ``data``, its bytes
+    (``_object_buffer``), for a remote object."""
     if data is not None:
         source = pa.BufferReader(data)
     else:
         with reading(f"{kind}: cannot open {path!r}"):
             source = pa.memory_map(path, "r")
+        if opened is not None:
+            opened(source.fileno())
     with reading(f"{kind}: {path!r} is neither an Arrow IPC file nor an Arrow IPC stream"):
         try:
             reader_ = pa.ipc.open_file(source)
@@ -196,7 +202,7 @@ class ArrowSource(PathSource[dict[str, Any]]):
             batches = self._batches = [
                 batch
                 for file, path in enumerate(self.paths)
-                for batch in _read_batches(path, self.kind, self._object_data(file))
+                for batch in _read_batches(path, self.kind, self._object_data(file), self._opened_check(file))
             ]
         batch = batches[index]
         if not self._valid[index]:  # memory-mapped batches are not validated on reading
@@ -204,6 +210,10 @@ class ArrowSource(PathSource[dict[str, Any]]):
                 batch.validate(full=True)  # offsets within bounds, valid UTF-8: what to_pylist trusts
             self._valid[index] = True
         return batch
+
+    def _opened_check(self, file: int) -> Callable[[int], None] | None:
+        """What ``_read_batches`` runs on local file ``file`` once mapped (``check_opened``)."""
+        return None if self._remote is not None else functools.partial(self._files.check_opened, file)
 
     def _object_data(self, file: int) -> pa.Buffer | None:
         """The bytes of remote file ``file`` (through the block caches); None for a local file."""

@@ -206,6 +206,19 @@ class WatchedFiles:
             self.confirm(file, size, mtime_ns, lambda: self._digest(path))
         self._checked[file] = now
 
+    def check_opened(self, file: int, descriptor: int) -> None:
+        """After opening local file ``file`` (``descriptor``, checked before the open): raise
+        ``SourceError`` unless what was opened is what the path names now, unchanged. A file
+        replaced between the check and the open, then put back with its size and mtime, would
+        otherwise leave the reader with the replaced bytes while every later check passes."""
+        path = self.fingerprints[file][NAME]
+        opened = os.fstat(descriptor)
+        with reading(f"{self.kind}: cannot read {path!r}"):
+            current = os.stat(path)
+        if (opened.st_dev, opened.st_ino) != (current.st_dev, current.st_ino):
+            raise SourceError(f"{self.kind}: file {path!r} was replaced while it was opened; {REMEDY}")
+        self.confirm(file, opened.st_size, opened.st_mtime_ns, lambda: self._digest(path))
+
     def confirm(self, file: int, size: int, mtime_ns: int, digest: Callable[[], str | None]) -> None:
         """Raise ``SourceError`` unless ``size``, ``mtime_ns`` (and, when only the mtime differs,
         ``digest()``) describe the file ``file`` the pipeline was built on."""

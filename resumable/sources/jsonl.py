@@ -183,6 +183,7 @@ class JsonlSource(PathSource[Any]):
         mapped = self._maps[file]
         if mapped is None:
             with reading(f"{self.kind}: cannot read {self.paths[file]!r}"), open(self.paths[file], "rb") as handle:
+                self._files.check_opened(file, handle.fileno())
                 mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
             self._maps[file] = mapped
         return mapped

@@ -176,12 +176,20 @@ class ParquetSource(PathSource[dict[str, Any]]):
 
     # -- reading ------------------------------------------------------------------------------
 
-    def _source(self, file: int) -> str | pa.NativeFile:
-        """What ``pq.ParquetFile`` reads file ``file`` from: its path, or a file over the
+    def _source(self, file: int) -> pa.NativeFile:
+        """What ``pq.ParquetFile`` reads file ``file`` from: the local file opened (and checked
+        to be the file checked before: ``check_opened``), or a file over the
         object's blocks (pyarrow reads the footer and each column chunk as byte ranges)."""
         remote = self._remote
         if remote is None:
-            return self.paths[file]
+            with reading(f"{self.kind}: cannot read {self.paths[file]!r}"):
+                opened = pa.OSFile(self.paths[file], "r")
+            try:
+                self._files.check_opened(file, opened.fileno())  # what the last check saw
+            except BaseException:
+                opened.close()
+                raise
+            return opened
         return pa.PythonFile(BlockFile(self._block_reader(file, remote)), mode="r")
 
     def _content_digest(self, file: int, reader: BlockReader, version: str) -> str | None:
@@ -192,8 +200,9 @@ class ParquetSource(PathSource[dict[str, Any]]):
         if handle is None:
             # Opened lazily (again after pickling): it must be the file the pipeline was built on.
             self._files.check(file)
+            source = self._source(file)
             with reading(f"{self.kind}: cannot read {self.paths[file]!r} as Parquet"):
-                handle = pq.ParquetFile(self._source(file))
+                handle = pq.ParquetFile(source)
             self._handles[file] = handle
         return handle
 

@@ -197,6 +197,12 @@ class JsonlStream(WatchedIdentity, Node[Any]):
         self._files.check(file)
         path = self.paths[file]
         handle, reached = self._open_at(file, offset)
+        if self._remote is None:
+            try:
+                self._files.check_opened(file, handle.fileno())
+            except BaseException:
+                handle.close()
+                raise
         self._handle, self._handle_closer = handle, weakref.finalize(self, handle.close)
         if reached != offset:
             self._close_handle()
@@ -260,6 +266,7 @@ class JsonlStream(WatchedIdentity, Node[Any]):
             with reading(f"{self.kind}: cannot read {path!r}"):
                 if self._remote is None:
                     with _open(path) as handle:
+                        self._files.check_opened(file, handle.fileno())
                         for offset, slot in sorted(offsets):
                             handle.seek(offset)
                             records[slot] = _record(path, offset, handle.readline())

@@ -1,8 +1,9 @@
 """A file replaced between its check and its opening, then put back with its size and mtime
 before the next check: the source must not keep what it opened (the replaced bytes, which every
 later check of the path would pass), but report a SourceError and open the file again, so every
-record comes once the file is back. Forced here by swapping the file right after the check that
-precedes an opening, and putting it back right before the check of what was opened; every local
+record comes once the file is back. Forced here by swapping the file (for a valid file of the
+same kind holding other records) right after the check that precedes an opening, and putting it
+back right before the check of what was opened; every local
 file kind, each at the place it opens files (a JSONL map, a Parquet handle, a stream's handle
 and its fetches, the Arrow maps of a pickled copy)."""
 
@@ -18,15 +19,16 @@ import pytest
 import resumable as rs
 from resumable.sources import files
 from tests.sources import replace_file
-from tests.test_watch_adversary import file_source
+from tests.test_watch_adversary import COUNT, file_source, write
 
 
 class Swapper:
-    """Swaps ``path`` for same-size garbage once its next check has passed, and puts it back
-    (same bytes, same times) when what was opened is checked."""
+    """Swaps ``path`` for ``other`` (a valid file of the same kind holding other records) once
+    its next check has passed, and puts it back (same bytes, same times) when what was opened is
+    checked."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, path: Path, other: bytes) -> None:
+        self.path, self.other = path, other
         self.original, info = path.read_bytes(), os.stat(path)
         self.times = (info.st_atime_ns, info.st_mtime_ns)
         self.armed = True
@@ -36,7 +38,7 @@ class Swapper:
         if self.armed and checked == str(self.path):
             self.armed = False
             self.swapped = True
-            replace_file(self.path, bytes(byte ^ 0x55 for byte in self.original))
+            replace_file(self.path, self.other)
 
     def before_opened_check(self, opened: str) -> None:
         if self.swapped and opened == str(self.path):
@@ -64,6 +66,13 @@ def swapper(monkeypatch: pytest.MonkeyPatch) -> list[Swapper]:
     return holder
 
 
+def other_file(directory: Path, kind: str) -> bytes:
+    """The bytes of a file of ``kind`` holding other records (ids from 1000)."""
+    folder = directory / "other"
+    folder.mkdir(exist_ok=True)
+    return write(folder / kind, kind, [{"id": 1000 + index} for index in range(COUNT // 2)]).read_bytes()
+
+
 def read_all(pipe: rs.Node[Any]) -> tuple[list[int], list[Exception]]:
     got: list[int] = []
     errors: list[Exception] = []
@@ -83,7 +92,7 @@ def test_a_file_swapped_between_its_check_and_its_opening_is_opened_again(
 ) -> None:
     source, paths, expected = file_source(tmp_path, kind)
     first = next(iter(source))["id"]
-    swapper.append(Swapper(paths[1]))  # the second file is not open yet
+    swapper.append(Swapper(paths[1], other_file(tmp_path, kind)))  # the second file is not open yet
     got, errors = read_all(source)
     assert swapper[0].armed is False, "the second file was never checked before its opening"
     assert errors and all(type(error) is rs.SourceError for error in errors), errors
@@ -93,12 +102,13 @@ def test_a_file_swapped_between_its_check_and_its_opening_is_opened_again(
 
 def test_a_stream_fetch_opens_a_swapped_file_again(tmp_path: Path, swapper: list[Swapper]) -> None:
     """A stream's random-access fetch (what a restoring packer asks) opens the file for the call."""
-    source, paths, expected = file_source(tmp_path, "jsonl_stream")
+    kind = "jsonl_stream"
+    source, paths, expected = file_source(tmp_path, kind)
     keys = []
     for _ in expected:
         next(source)
         keys.append(source.last_key())
-    swapper.append(Swapper(paths[1]))
+    swapper.append(Swapper(paths[1], other_file(tmp_path, kind)))
     with pytest.raises(rs.SourceError, match="replaced while it was opened"):
         source.fetch_many(keys)
     assert sorted(record["id"] for record in source.fetch_many(keys)) == sorted(expected)
@@ -110,7 +120,7 @@ def test_a_pickled_source_opens_a_swapped_file_again(kind: str, tmp_path: Path, 
     Parquet sources only then, since they open every file as they are built."""
     source, paths, expected = file_source(tmp_path, kind)
     copy = pickle.loads(pickle.dumps(source))
-    swapper.append(Swapper(paths[1]))
+    swapper.append(Swapper(paths[1], other_file(tmp_path, kind)))
     got, errors = read_all(copy)
     assert errors and all(type(error) is rs.SourceError for error in errors), errors
     assert sorted(got) == sorted(expected)

@@ -284,3 +284,22 @@ def test_a_state_taken_twice_at_one_row_is_the_same_and_a_value() -> None:
     next(pipe)
     pipe.get_state()
     assert json.dumps(first) == frozen
+
+
+@pytest.mark.parametrize("inherited", [5, "x", [[1, 2]]])
+def test_a_malformed_entry_is_a_state_error_over_a_stream_too(tmp_path: Path, inherited: Any) -> None:
+    """A stream upstream fetches every buffered record as the state loads (not lazily), so the
+    references are listed for that fetch before the rows are checked: a malformed list is still
+    only a StateError, and the pipeline is left as it was."""
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps(doc) + "\n" for doc in DOCS))
+    pipe = packed(rs.jsonl_stream(str(path)), "best_fit")
+    for _ in range(5):
+        next(pipe)
+    state = listed(roundtrip(pipe.get_state()), "Pack")  # the packer is the outermost node
+    state["inherited"] = inherited
+    fresh = packed(rs.jsonl_stream(str(path)), "best_fit")
+    before = json.dumps(fresh.get_state())
+    with pytest.raises(rs.StateError):
+        fresh.set_state(state)
+    assert json.dumps(fresh.get_state()) == before

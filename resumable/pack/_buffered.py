@@ -518,12 +518,12 @@ class BufferedRows:
         whole = state if since is None else since[0]
         fetcher = Refetcher(pack.upstream.fetch_many, pack._documents.read, path, key_checker(pack.upstream))
         listed_whole = listed(whole, path)
-        count = _piece_count(listed_whole)
-        reserved = saved_reserved(listed_whole, count, pack.length_fn is not None, path)
+        entries = _entries(listed_whole)
+        reserved = saved_reserved(listed_whole, len(entries), pack.length_fn is not None, path)
         lazy = reserved is not None and not _reads_streams(pack.upstream)
         extras = iter(reserved or ())
         if not lazy:
-            fetcher.fetch(_entries(listed_whole))
+            fetcher.fetch(entries)
 
         def make(entry: Any, where: str) -> Piece:
             return fetcher.lazy(entry, where, next(extras)) if lazy else fetcher.piece(entry, where)
@@ -637,20 +637,15 @@ def _since(state: dict[str, Any], path: str) -> tuple[dict[str, Any], Any, Any] 
     return base, require(state, EVENTS, list, path), require(state, EVENT_ORIGINS, list, path)
 
 
-def _piece_count(state: dict[str, Any]) -> int:
-    """The pieces a listed state holds (its lists checked when its rows are loaded)."""
-    lists = [state.get(key) for key in (OPEN, READY, INHERITED)]
-    return sum(len(value) for value in lists if isinstance(value, list)) + (1 if state.get(SPAN) else 0)
-
-
 def _entries(state: dict[str, Any]) -> list[tuple[Any, str]]:
     """``(reference, where)`` for every piece of a listed state, in its order (malformed lists skipped:
     loading its rows names them)."""
-    span = state.get(SPAN)
+    lists = {key: state.get(key) for key in (OPEN, READY, SPAN, INHERITED)}
     return [
-        *((entry, key) for key in (OPEN, READY) if isinstance(state.get(key), list) for entry in state[key]),
-        *([(span, SPAN)] if span else []),
-        *((entry, INHERITED) for entry in state.get(INHERITED) or [] if isinstance(state.get(INHERITED), list)),
+        (entry, key)
+        for key, value in lists.items()
+        if isinstance(value, list) and value
+        for entry in ([value] if key == SPAN else value)
     ]
 
 
@@ -671,7 +666,7 @@ def resolved(state: dict[str, Any], path: str) -> dict[str, Any]:
     documents = Documents(str(state.get("kind", "Pack")), seq_len, "split", "input_ids", None)
     base, events, origins = since
     listed_base = listed(base, path)
-    reserved = iter(saved_reserved(listed_base, _piece_count(listed_base), LENGTH_FN in state, path) or [])
+    extras = iter(saved_reserved(listed_base, len(_entries(listed_base)), LENGTH_FN in state, path) or [])
 
     prefixes: dict[tuple[int, ...], RecordKey] = {}  # the base's references share their prefixes
 
@@ -679,7 +674,7 @@ def resolved(state: dict[str, Any], path: str) -> dict[str, Any]:
         parts = reference_parts(entry, prefixes)
         if parts is None or parts[1] >= parts[2]:
             raise StateError(f"{path}: {where} entry {entry!r:.80} is not a piece reference")
-        return piece(*parts, None, next(reserved, 0))
+        return piece(*parts, None, next(extras, 0))
 
     rows = BufferedRows._loaded(
         None, documents, packer, base, listed_base, path, dict.fromkeys(COUNTERS, 0), make, adopt=False

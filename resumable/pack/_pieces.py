@@ -209,25 +209,21 @@ def reference_parts(
     whose prefixes a decoded encoding shares (``_refs.decode``)."""
     if not isinstance(entry, list) or len(entry) < PIECE_FIELDS:
         return None
-    epoch, record, start, end = entry[-PIECE_FIELDS:]
-    if not (_is_int(epoch) and _is_int(record) and _is_int(start) and _is_int(end)):
-        return None
-    if epoch < 0 or record < 0 or start < 0 or end < 0:
+    if not all(is_count(value) for value in entry[-PIECE_FIELDS:]):
         return None
     parts = entry[:-PIECE_FIELDS]
-    identity = tuple(map(id, parts)) if prefixes is not None else None
-    prefix = prefixes.get(identity) if prefixes is not None and identity is not None else None
-    if prefix is None:
+    if prefixes is None:
         prefix = loaded_prefix(parts)
+    else:
+        identity = tuple(map(id, parts))
+        prefix = prefixes.get(identity)
         if prefix is None:
-            return None
-        if prefixes is not None and identity is not None:
-            prefixes[identity] = prefix
-    return (*prefix, epoch, record), start, end
-
-
-def _is_int(value: Any) -> bool:
-    return type(value) is int or (isinstance(value, int) and not isinstance(value, bool))
+            prefix = loaded_prefix(parts)
+            if prefix is not None:
+                prefixes[identity] = prefix
+    if prefix is None:
+        return None
+    return (*prefix, *entry[-PIECE_FIELDS:-2]), entry[-2], entry[-1]
 
 
 def key_text(key: RecordKey) -> str:

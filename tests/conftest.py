@@ -7,6 +7,10 @@ from typing import Any, Iterator
 import pytest
 from hypothesis import HealthCheck, settings
 
+# Every header a node keeps between states is checked against a fresh one, in this process and
+# in the worker processes the tests start (which inherit the environment).
+os.environ["RESUMABLE_VERIFY_HEADERS"] = "1"
+
 settings.register_profile("dev", max_examples=150, deadline=None)
 settings.register_profile(
     "ci", max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True

@@ -10,6 +10,7 @@ only its own options and counters. Nodes with random access derive from
 
 from __future__ import annotations
 
+import os
 from typing import (
     TYPE_CHECKING,
     Any,
@@ -51,6 +52,9 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 U = TypeVar("U")
 
+VERIFY_HEADERS = os.environ.get("RESUMABLE_VERIFY_HEADERS") == "1"
+"""Whether ``Node._header`` checks every header it kept against a fresh one (a development check)."""
+
 NODE_KINDS: dict[str, type[Node[Any]]] = {}
 """Node classes by the ``kind`` they declare: one class per name."""
 
@@ -71,6 +75,8 @@ class Node(Generic[T]):
     _upstream_only: ClassVar[bool] = True  # children and their states are the base class's
     # Options that may change on an elastic resume (a rescale), though not on a plain restore.
     _elastic_options: ClassVar[tuple[str, ...]] = ()
+    # The header ``_header`` built last, with the ``_header_key()`` it was built under.
+    _built_header: tuple[object, dict[str, Any]] | None = None
     # Why ``len()`` of this node is unknown, in the TypeError of the default ``_known_length``.
     _unknown_length: ClassVar[str] = "the number of items it yields is unknown until it has read them"
 
@@ -227,8 +233,31 @@ class Node(Generic[T]):
 
     def _header(self) -> dict[str, Any]:
         """The entries every state of this node starts with: kind, format version,
-        configuration and identity."""
+        configuration and identity; a new dict, which the caller completes.
+
+        Built once and kept while ``_header_key()`` holds, so that a state taken with every
+        batch does not build every node's options again. With ``RESUMABLE_VERIFY_HEADERS=1`` in
+        the environment (the test suite sets it) every kept header is compared with a fresh one."""
+        key = self._header_key()
+        built = self._built_header
+        if built is None or (built[0] is not key and built[0] != key):
+            built = self._built_header = (key, self._fresh_header())
+        elif VERIFY_HEADERS and built[1] != self._fresh_header():
+            raise RuntimeError(
+                f"{self.kind}: its kept state header {built[1]!r:.300} is stale (now {self._fresh_header()!r:.300}); "
+                "its _header_key() misses what changed"
+            )
+        return built[1].copy()
+
+    def _fresh_header(self) -> dict[str, Any]:
         return {KIND: self.kind, VERSION: STATE_VERSION, **self._config(), **self._identity()}
+
+    def _header_key(self) -> object:
+        """Hook: what ``_config()`` and ``_identity()`` depend on beyond the options fixed when
+        the node was built (None: nothing): a shard's topology, a file source's fingerprints, an
+        option that an elastic restore sets. ``_header`` builds the header again when it is
+        another object and unequal."""
+        return None
 
     def _progress(self) -> dict[str, Any]:
         """Counters that change during iteration."""

@@ -51,6 +51,9 @@ class Batch(Node[Any], Generic[T]):
     def _config(self) -> dict[str, Any]:
         return {BATCH_SIZE: self.batch_size, DROP_LAST: self.drop_last}
 
+    def _header_key(self) -> object:
+        return self.batch_size  # an elastic option
+
     def _known_length(self) -> int:
         """Whole batches of the upstream's epoch, and the last, shorter one unless ``drop_last``."""
         whole, rest = divmod(len(self.upstream), self.batch_size)

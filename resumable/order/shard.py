@@ -209,3 +209,6 @@ class Shard(IndexedNode[T]):
 
     def _config(self) -> dict[str, Any]:
         return self.topology.config()
+
+    def _header_key(self) -> object:
+        return self.topology

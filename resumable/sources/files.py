@@ -318,6 +318,9 @@ class WatchedIdentity:
     def _identity(self) -> dict[str, Any]:
         return {FILES: self._files.fingerprints}
 
+    def _header_key(self) -> object:
+        return self._files.fingerprints  # a new list when a recorded mtime changes
+
     def _watch(self) -> None:
         self._files.watch()
 

@@ -42,6 +42,9 @@ class FromList(Source[T]):
     def _config(self) -> dict[str, Any]:
         return {LENGTH: len(self._records)}
 
+    def _header_key(self) -> object:
+        return len(self._records)  # the caller's sequence, which may grow
+
     def _raw_range(self, start: int, count: int) -> Sequence[T]:
         return self._records[start : start + count]
 

@@ -336,6 +336,9 @@ class JsonlStream(WatchedIdentity, Node[Any]):
     def _config(self) -> dict[str, Any]:
         return {ON_ERROR: self.on_error, SHUFFLE_FILES: self.shuffle_files, **self.topology.config()}
 
+    def _header_key(self) -> object:
+        return (self.topology, super()._header_key())
+
     def _progress(self) -> dict[str, Any]:
         progress = {EPOCH: self._epoch, QUEUE: [list(item) for item in self.queue]}
         if self._next_queue is not None:

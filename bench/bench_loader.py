@@ -33,9 +33,10 @@ every batch (``WorkerIterator.state_dict()``: ``get_state()`` and its JSON encod
 in CPU seconds of the process (a loaded machine's preemptions do not count); the ratio is the
 plain copy's seconds / the other's, the best a Loader can reach when its workers are the
 bottleneck. ``state us`` is the wall time of that ``state_dict()`` call alone, right after the
-batch (median over runs of the mean per batch), ``kB`` the median size of the JSON it ships;
+batch (median over runs of the mean per batch; ``(median)``: of the median call, which leaves
+out the batches whose state was a packer's whole one), ``kB`` the median size of the JSON it ships;
 with ``--baseline``, a third copy built and saved by the other version advances in the same
-lockstep.
+lockstep (the two take turns going first).
 
     python bench/bench_loader.py [--batches N] [--workers 2 4] [--runs 5] [--pipelines tokens packed bpe]
     python bench/bench_loader.py --in-process [--batches N] [--runs 5] [--pipelines tokens packed bpe]
@@ -279,6 +280,7 @@ def worker_cost(
     times: dict[str, list[float]] = {"plain": [], **{name: [] for name in versions}}
     ratios: dict[str, list[float]] = {name: [] for name in versions}
     state_times: dict[str, list[float]] = {name: [] for name in versions}
+    state_medians: dict[str, list[float]] = {name: [] for name in versions}
     sizes: dict[str, list[int]] = {name: [] for name in versions}
     for _ in range(runs):
         plain = build()
@@ -287,17 +289,18 @@ def worker_cost(
         for worker in workers.values():
             next(worker)
         spent = dict.fromkeys(times, 0.0)
-        in_state = dict.fromkeys(versions, 0.0)
-        for _ in range(batches):
+        calls: dict[str, list[float]] = {name: [] for name in versions}
+        order = list(workers.items())
+        for batch in range(batches):
             start = time.process_time()
             next(plain)
             spent["plain"] += time.process_time() - start
-            for name, worker in workers.items():
+            for name, worker in order if batch % 2 else order[::-1]:  # neither version always second
                 start = time.process_time()
                 next(worker)
                 middle = time.perf_counter()
                 shipped = worker.state_dict()
-                in_state[name] += time.perf_counter() - middle
+                calls[name].append(time.perf_counter() - middle)
                 spent[name] += time.process_time() - start
                 sizes[name].append(len(shipped["pipeline"]))
         plain.close()
@@ -307,7 +310,8 @@ def worker_cost(
             times[name].append(seconds / batches)
         for name in versions:
             ratios[name].append(spent["plain"] / spent[name])
-            state_times[name].append(in_state[name] / batches)
+            state_times[name].append(sum(calls[name]) / batches)
+            state_medians[name].append(statistics.median(calls[name]))
     return {
         name: {
             "plain": statistics.median(times["plain"]),
@@ -316,6 +320,7 @@ def worker_cost(
             "ratio_min": min(ratios[name]),
             "ratio_max": max(ratios[name]),
             "state_us": 1e6 * statistics.median(state_times[name]),
+            "state_median_us": 1e6 * statistics.median(state_medians[name]),
             "kB": statistics.median(sizes[name]) / 1000,
         }
         for name in versions
@@ -335,7 +340,7 @@ def main_in_process(args: argparse.Namespace, baseline: Any) -> None:
     )
     print(
         f"{'pipeline':<10}{'version':<10}{'plain ms/b':>12}{'state ms/b':>12}{'ratio':>8}{'(min-max)':>14}"
-        f"{'state us':>10}{'kB':>7}"
+        f"{'state us':>10}{'(median)':>10}{'kB':>7}"
     )
     for name in args.pipelines:
         rows = worker_cost(PIPELINES[name], args.batches or DEFAULT_BATCHES[name], args.runs, baseline)
@@ -343,7 +348,7 @@ def main_in_process(args: argparse.Namespace, baseline: Any) -> None:
             spread = f"{row['ratio_min']:.3f}-{row['ratio_max']:.3f}"
             print(
                 f"{name:<10}{version:<10}{1e3 * row['plain']:>12.3f}{1e3 * row['stated']:>12.3f}"
-                f"{row['ratio']:>8.3f}{spread:>14}{row['state_us']:>10.1f}{row['kB']:>7.1f}",
+                f"{row['ratio']:>8.3f}{spread:>14}{row['state_us']:>10.1f}{row['state_median_us']:>10.1f}{row['kB']:>7.1f}",
                 flush=True,
             )
 

@@ -242,14 +242,15 @@ class Node(Generic[T]):
         built = self._built_header
         if built is None or (built[0] is not key and built[0] != key):
             built = self._built_header = (key, self._fresh_header())
-        elif VERIFY_HEADERS and built[1] != self._fresh_header():
+        elif VERIFY_HEADERS and built[1] != (fresh := self._fresh_header()):
             raise RuntimeError(
-                f"{self.kind}: its kept state header {built[1]!r:.300} is stale (now {self._fresh_header()!r:.300}); "
+                f"{self.kind}: its kept state header {built[1]!r:.300} is stale (now {fresh!r:.300}); "
                 "its _header_key() misses what changed"
             )
         return built[1].copy()
 
     def _fresh_header(self) -> dict[str, Any]:
+        """The header built from the node as it is now (what ``_header`` keeps)."""
         return {KIND: self.kind, VERSION: STATE_VERSION, **self._config(), **self._identity()}
 
     def _header_key(self) -> object:

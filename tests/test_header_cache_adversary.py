@@ -5,7 +5,7 @@ copy of the pipeline, a state handed back to ``set_state``, a state the caller e
 compares the next states with those of a pipeline built fresh in the changed conditions.
 
 The header entries compared are the ones a freshly built node puts in its state (``headers``),
-down every branch. Cases marked xfail are bugs: each says what goes stale, and where."""
+down every branch. Cases marked xfail are known limits: each says what is shared, and where."""
 
 from __future__ import annotations
 
@@ -522,11 +522,14 @@ def test_states_taken_from_several_threads_while_a_prefetch_reads(tmp_path: Path
     assert all(entry == expected for entry in seen)
 
 
-# -- bugs ---------------------------------------------------------------------------------------
+# -- known limits and mended bugs ---------------------------------------------------------------
 #
-# Only the first comes with the kept headers (Mix built its list of names for every state before);
-# the others are older: a state's 'files' and 'columns' were always the source's own lists, and a
-# read-ahead node always built its upstream's state once per item handed out.
+# The xfails: a state's lists ('names', 'files', 'columns') are shared with the node and with
+# later states, which docs/state.md asks callers to treat as read-only (copying a file list of
+# thousands of entries with every state would cost more than the headers save). The read-ahead
+# cases after them were bugs (its upstream's state was built once per item handed out, with the
+# headers of that moment, and loaded back into a forked worker's re-numbered shard); a recorded
+# state now takes the live nodes' headers, and a fork returns the upstream as its parent's.
 
 
 @pytest.mark.xfail(
@@ -587,12 +590,6 @@ def mapped_in_threads(source: rs.Node[Any]) -> rs.Node[Any]:
 READ_AHEAD = {"prefetch": prefetched, "parallel_map": mapped_in_threads}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="a read-ahead node builds its upstream's state once per item handed out: a new mtime recorded "
-    "after that is missing from the next state",
-)
 @pytest.mark.parametrize("how", list(READ_AHEAD))
 def test_a_read_ahead_state_names_a_new_mtime(tmp_path: Path, how: str, watch_always: None) -> None:
     path = write_jsonl(tmp_path / "a.jsonl")
@@ -606,12 +603,6 @@ def test_a_read_ahead_state_names_a_new_mtime(tmp_path: Path, how: str, watch_al
         pipe.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="a read-ahead node keeps the upstream state built before from_list's list grew: the next state "
-    "names the old length, and a pipeline over the grown list refuses it",
-)
 @pytest.mark.parametrize("how", list(READ_AHEAD))
 def test_a_read_ahead_state_names_a_list_that_grew(how: str) -> None:
     records = list(range(10))
@@ -631,12 +622,6 @@ def test_a_read_ahead_state_names_a_list_that_grew(how: str) -> None:
         fresh.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=rs.StateError,
-    reason="close() rewinds a read-ahead node's upstream to the state it built before from_list's list grew, "
-    "whose old length the source refuses (StateError)",
-)
 @pytest.mark.parametrize("how", list(READ_AHEAD))
 def test_closing_a_read_ahead_over_a_list_that_grew(how: str) -> None:
     records = list(range(10))
@@ -655,12 +640,6 @@ def build_prefetched() -> rs.Node[Any]:
     return rs.from_list(list(range(RECORDS))).shuffle(seed=1).shard().prefetch(2).batch(4)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=rs.StateError,
-    reason="a prefetch's upstream state built in the main process (consumer 0 of 1) is loaded back into "
-    "each forked DataLoader worker's shard, which refuses it (StateError: num_workers=1)",
-)
 def test_a_prefetched_pipeline_used_in_the_main_process_then_in_forked_workers() -> None:
     pipe = build_prefetched()
     take(pipe, 2)

@@ -327,18 +327,34 @@ class Node(Generic[T]):
         return (self._progress(), self._ended, below)
 
     def _marked_state(self, mark: Mark) -> dict[str, Any]:
-        """The state ``mark`` recorded (see ``_mark``)."""
+        """The state ``mark`` recorded (see ``_mark``), with the headers of the live nodes."""
         if isinstance(mark, dict):
-            return mark
+            return self._with_live_headers(mark)
         progress, ended, below = mark
         state = self._header()
         state.update(progress)
+        state.update(self._built_header[1])  # type: ignore[index]  # kept by _header(): the live value
+        # of an entry the progress repeats (from_list's length, which grows with its list) wins
         state[ENDED] = ended
         upstream = self.upstream
         if upstream is not None:
             state[UPSTREAM] = (
                 upstream._marked_state(below) if self._upstream_progress else upstream._state(progress=False)
             )
+        return state
+
+    def _with_live_headers(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``state``, built by this node earlier, with every node's header as it is now: a mark
+        held as a whole state keeps its progress, but a file's new mtime, a list that grew or a
+        topology set since (a fork into a Loader worker) are the live nodes'. A new dict; the
+        nested states it changes are copied, not edited."""
+        state = {**state, **self._header()}
+        for where, child in self._children().items():
+            outer = state
+            for key in where[:-1]:
+                outer[key] = dict(outer[key])
+                outer = outer[key]
+            outer[where[-1]] = child._with_live_headers(outer[where[-1]])
         return state
 
     def _varies(self) -> bool:

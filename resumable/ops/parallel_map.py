@@ -277,6 +277,7 @@ class ParallelMap(ReadAhead[U]):
     """
 
     kind = "ParallelMap"
+    _reader_attributes = (*ReadAhead._reader_attributes, "_pool", "_window", "_upstream_done", "_chunk_size")
 
     def __init__(
         self, upstream: Node[T], fn: Callable[..., Any], num_workers: int, mode: str = THREAD, batched: bool = False
@@ -300,13 +301,18 @@ class ParallelMap(ReadAhead[U]):
         self.fn = fn
         self.mode = mode
         self.batched = batched
+
+    def _fresh_reader(self) -> None:
+        super()._fresh_reader()
         self._pool: Executor | None = None
-        self._finalizer: weakref.finalize[..., ParallelMap[U]] | None = None
         # Entries (kind, chunk or error, index in the chunk, upstream mark after it, upstream
         # last_key after it): one per record, in upstream order.
         self._window: deque[tuple[int, Any, int, Mark, RecordKey | None]] = deque()
         self._upstream_done = False
         self._chunk_size = FIRST_CHUNK
+
+    def _reads_ahead(self) -> bool:
+        return bool(self._window)
 
     @property
     def max_in_flight(self) -> int:

@@ -116,15 +116,21 @@ class Prefetch(ReadAhead[T]):
     """
 
     kind = "Prefetch"
+    _reader_attributes = (*ReadAhead._reader_attributes, "_lock", "_producer")
 
     def __init__(self, upstream: Node[T], buffer_size: int = 4) -> None:
         super().__init__(upstream)
         self.buffer_size = check_positive_int(self.kind, BUFFER_SIZE, buffer_size)
+        self._exhausted = False
+
+    def _fresh_reader(self) -> None:
+        super()._fresh_reader()
         # Serialises the producer's next()/get_state() with fetch() from the consumer side.
         self._lock = threading.Lock()
         self._producer: _Producer | None = None
-        self._finalizer: weakref.finalize[..., Prefetch[T]] | None = None
-        self._exhausted = False
+
+    def _reads_ahead(self) -> bool:
+        return self._producer is not None
 
     # -- iteration --------------------------------------------------------------------------
 

@@ -3,8 +3,10 @@ DataLoader worker. Consumers are numbered ``rank * num_workers + worker``."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from resumable.errors import ConfigError
@@ -76,6 +78,24 @@ def distributed_rank() -> tuple[int, int]:
     return rank, world_size
 
 
+# True while a forked process returns its parent's read-ahead nodes to the last item they
+# handed out (see as_in_parent).
+_as_in_parent = False
+
+
+@contextlib.contextmanager
+def as_in_parent() -> Iterator[None]:
+    """Within it, consumers resolve as they last did in the parent process and are not resolved
+    for this one: a forked process loads the states its parent's read-ahead nodes recorded
+    before it knows which DataLoader worker it is (torch names it only after the fork)."""
+    global _as_in_parent
+    _as_in_parent = True
+    try:
+        yield
+    finally:
+        _as_in_parent = False
+
+
 def dataloader_worker() -> tuple[int, int]:
     """``(worker_id, num_workers)`` inside a torch DataLoader worker, else (0, 1)."""
     torch = sys.modules.get("torch")
@@ -121,16 +141,19 @@ class Consumer:
         self._pinned = topology if self.split_workers else Topology(topology.rank, topology.world_size)
 
     def resolve(self) -> tuple[Topology, bool]:
-        """This process's topology, and whether it was resolved just now (first use here, or
-        first use since it was pinned to another)."""
+        """This process's topology, and whether it is new: resolved for the first time, other
+        than the parent process's (a DataLoader worker), or pinned to another since."""
         pid = os.getpid()
         if self._pinned is not None:
             fresh = self._resolved is None or self._resolved[1] != self._pinned
             self._resolved = (pid, self._pinned)
             return self._pinned, fresh
-        if self._resolved is not None and self._resolved[0] == pid:
+        if self._resolved is not None and (self._resolved[0] == pid or _as_in_parent):
             return self._resolved[1], False
         rank, world_size = distributed_rank() if self._explicit is None else self._explicit
         worker, num_workers = dataloader_worker() if self.split_workers else (0, 1)
-        self._resolved = (pid, Topology(rank, world_size, worker, num_workers))
-        return self._resolved[1], True
+        topology = Topology(rank, world_size, worker, num_workers)
+        if _as_in_parent:  # never resolved in the parent: as it would have, and kept for no one
+            return topology, False
+        previous, self._resolved = self._resolved, (pid, topology)
+        return topology, previous is None or previous[1] != topology

@@ -125,6 +125,7 @@ class JsonlStream(WatchedIdentity, Node[Any]):
         self._handle_closer: weakref.finalize[..., JsonlStream] | None = None
         self._last: RecordKey | None = None
         self.skipped = 0
+        _STREAMS.add(self)
 
     @property
     def stats(self) -> dict[str, int]:
@@ -411,6 +412,24 @@ class JsonlStream(WatchedIdentity, Node[Any]):
         state = self.__dict__.copy()
         state["_handle"] = state["_handle_closer"] = None
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        _STREAMS.add(self)
+
+
+# Streams alive in this process, whose open files a forked child must not share.
+_STREAMS: weakref.WeakSet[JsonlStream] = weakref.WeakSet()
+
+
+def _close_inherited_handles() -> None:
+    """In a forked child: an open file shares its offset with the parent's, so each stream
+    closes its copy and opens the file again at its next work item's offset when it reads on."""
+    for stream in list(_STREAMS):
+        stream._close_handle()
+
+
+os.register_at_fork(after_in_child=_close_inherited_handles)
 
 
 def _record(path: str, offset: int, raw: bytes) -> Any:

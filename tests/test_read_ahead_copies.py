@@ -1,0 +1,210 @@
+"""A read-ahead pipeline (prefetch, parallel map) copied into another process after it was read:
+pickled (a spawned DataLoader worker, ``copy.deepcopy``) or forked (a forked worker, a plain
+``fork``). The copy starts without the reader, its upstream back at the last item handed out,
+so it continues as the pipeline without a reader would, and so does the original; in a Loader's
+workers every record of the epoch comes exactly once, and the Loader's state resumes exactly."""
+
+from __future__ import annotations
+
+import copy
+import multiprocessing
+import pickle
+from typing import Any, Callable
+
+import pytest
+
+import resumable as rs
+from resumable import Node
+from resumable.ops.read_ahead import ReadAhead
+from tests.sources import INDEXED_KINDS, STREAM_KINDS, indexed_source, stream_source
+from tests.test_read_ahead import read_ahead_fully
+
+RECORDS = [{"id": i, "text": f"record {i}"} for i in range(24)]
+EPOCH = len(RECORDS)
+BATCH = 3
+CHILD_TIMEOUT_S = 120.0  # a hang guard, not a speed check
+
+
+def identity(record: dict[str, Any]) -> dict[str, Any]:
+    return record
+
+
+READERS: dict[str, Callable[[Node[Any]], Node[Any]]] = {
+    "none": lambda upstream: upstream,
+    "prefetch": lambda upstream: upstream.prefetch(4),
+    "thread_map": lambda upstream: upstream.map(identity, num_workers=2),
+    "prefetch_over_thread_map": lambda upstream: upstream.map(identity, num_workers=2).prefetch(3),
+}
+WITH_READERS = [name for name in READERS if name != "none"]
+
+
+def source(kind: str) -> Node[Any]:
+    if kind in STREAM_KINDS:
+        return stream_source(kind, RECORDS)
+    return indexed_source(kind, RECORDS).shuffle(seed=3)
+
+
+def build(kind: str, reader: str) -> Node[Any]:
+    return READERS[reader](source(kind))
+
+
+def ids(items: list[dict[str, Any]]) -> list[int]:
+    return [item["id"] for item in items]
+
+
+def taken(pipe: Node[Any], count: int) -> list[int]:
+    got = ids([next(pipe) for _ in range(count)])
+    read_ahead_fully(pipe)  # the reader is as far ahead as it goes
+    return got
+
+
+def serial_after(kind: str, count: int) -> tuple[list[int], dict[str, Any]]:
+    """What a pipeline without a reader yields after ``count`` items, up to its epoch's end, and
+    its state there."""
+    plain = build(kind, "none")
+    taken(plain, count)
+    return ids(list(plain)), plain.get_state()
+
+
+def without_readers(state: dict[str, Any]) -> dict[str, Any]:
+    """The state below every read-ahead node: the state of the pipeline without them."""
+    while state["kind"] in ("Prefetch", "ParallelMap", "Map"):
+        state = state["upstream"]
+    return state
+
+
+@pytest.mark.parametrize("how", ["pickle", "deepcopy"])
+@pytest.mark.parametrize("reader", WITH_READERS)
+@pytest.mark.parametrize("kind", INDEXED_KINDS + STREAM_KINDS)
+@pytest.mark.parametrize("count", [0, 1, EPOCH // 2, EPOCH - 1, EPOCH])
+def test_a_copy_continues_where_the_consumer_is(how: str, reader: str, kind: str, count: int) -> None:
+    expected, end_state = serial_after(kind, count)
+    pipe = build(kind, reader)
+    try:
+        taken(pipe, count)
+        before = pipe.get_state()
+        duplicate = pickle.loads(pickle.dumps(pipe)) if how == "pickle" else copy.deepcopy(pipe)
+        try:
+            assert duplicate.get_state() == before
+            assert ids(list(duplicate)) == expected
+            assert without_readers(duplicate.get_state()) == end_state
+        finally:
+            duplicate.close()
+        assert pipe.get_state() == before  # the original was returned to its record, not moved
+        assert ids(list(pipe)) == expected
+    finally:
+        pipe.close()
+
+
+def _continue_in_child(pipe: Node[Any], sender: Any) -> None:
+    try:
+        sender.send(("ok", ids(list(pipe)), pipe.get_state()))
+    except BaseException as error:  # noqa: BLE001 - reported to the parent
+        sender.send(("error", repr(error), None))
+    finally:
+        pipe.close()
+
+
+@pytest.mark.parametrize("reader", list(READERS))
+@pytest.mark.parametrize("kind", ["list", "jsonl", "jsonl_stream"])
+@pytest.mark.parametrize("count", [0, EPOCH // 2, EPOCH - 1])
+def test_a_forked_copy_continues_where_the_consumer_is(reader: str, kind: str, count: int) -> None:
+    expected, end_state = serial_after(kind, count)
+    pipe = build(kind, reader)
+    try:
+        taken(pipe, count)
+        context = multiprocessing.get_context("fork")
+        receiver, sender = context.Pipe(duplex=False)
+        child = context.Process(target=_continue_in_child, args=(pipe, sender))
+        child.start()
+        try:
+            if not receiver.poll(CHILD_TIMEOUT_S):
+                pytest.fail("the forked child did not answer")
+            outcome, got, state = receiver.recv()
+        finally:
+            child.join(CHILD_TIMEOUT_S)
+            if child.is_alive():
+                child.kill()
+        assert outcome == "ok", got
+        assert got == expected
+        assert without_readers(state) == end_state
+        assert ids(list(pipe)) == expected  # the parent's reader goes on undisturbed
+    finally:
+        pipe.close()
+
+
+def loader_pipeline(kind: str, reader: str) -> Node[Any]:
+    return READERS[reader](indexed_source(kind, RECORDS).shuffle(seed=3).shard()).batch(BATCH)
+
+
+def loader_epoch(loader: rs.torch.Loader) -> list[list[int]]:
+    return [ids(batch) for batch in loader]
+
+
+# (source kind, reader, start method, persistent workers): every combination forks; spawning
+# costs seconds per worker here, so two cases spawn.
+LOADER_CASES = [
+    *[
+        (kind, reader, "fork", persistent)
+        for kind in ("list", "parquet")
+        for reader in WITH_READERS
+        for persistent in (False, True)
+    ],
+    ("parquet", "prefetch_over_thread_map", "spawn", False),
+    ("list", "prefetch", "spawn", True),
+]
+
+
+@pytest.mark.parametrize(("kind", "reader", "context", "persistent"), LOADER_CASES)
+def test_a_pipeline_read_in_the_main_process_then_in_loader_workers(
+    kind: str, reader: str, context: str, persistent: bool
+) -> None:
+    """Read first in the main process (a look at a batch, say), then handed to a Loader: each
+    worker reads its shard from the epoch's start, every record comes once, and a state taken
+    midway resumes a fresh Loader exactly; the next epoch too."""
+
+    def make_loader(pipe: Node[Any], context: str = context) -> rs.torch.Loader:
+        return rs.torch.Loader(pipe, num_workers=2, multiprocessing_context=context, persistent_workers=persistent)
+
+    reference = make_loader(loader_pipeline(kind, "none"), "fork")  # the same batches, sooner
+    try:
+        expected = [loader_epoch(reference), loader_epoch(reference)]
+    finally:
+        reference.close()
+    pipe = loader_pipeline(kind, reader)
+    next(pipe)
+    loader = make_loader(pipe)
+    try:
+        batches = iter(loader)
+        first = [ids(next(batches)) for _ in range(3)]
+        state = loader.state_dict()
+        first += [ids(batch) for batch in batches]
+        second = loader_epoch(loader)
+    finally:
+        loader.close()
+        pipe.close()
+    assert [first, second] == expected
+    assert sorted(i for batch in first for i in batch) == list(range(EPOCH))
+    resumed = make_loader(loader_pipeline(kind, reader))
+    try:
+        resumed.load_state_dict(state)
+        assert loader_epoch(resumed) == expected[0][3:]
+    finally:
+        resumed.close()
+
+
+def test_every_read_ahead_node_is_known_to_the_fork_handler() -> None:
+    """The fork handler reaches the nodes through a registry of weak references: a node built,
+    unpickled or copied is in it, and one dropped leaves it."""
+    from resumable.ops import read_ahead
+
+    pipe = build("list", "prefetch_over_thread_map")
+    readers = [node for node in pipe._subtree() if isinstance(node, ReadAhead)]
+    duplicate = pickle.loads(pickle.dumps(pipe))
+    copies = [node for node in duplicate._subtree() if isinstance(node, ReadAhead)]
+    assert len(readers) == len(copies) == 2
+    assert all(node in read_ahead._READ_AHEADS for node in readers + copies)
+    count = len(read_ahead._READ_AHEADS)
+    del duplicate, copies
+    assert len(read_ahead._READ_AHEADS) == count - 2
+    pipe.close()

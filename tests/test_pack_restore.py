@@ -7,6 +7,7 @@ states saved before ``reserved`` existed still restore exactly, by fetching ever
 from __future__ import annotations
 
 import json
+import pickle
 from typing import Any
 
 import numpy as np
@@ -85,6 +86,20 @@ def test_set_state_maps_no_record_and_the_rows_continue_exactly(strategy: str, p
         fresh.set_state(state)
         assert calls[0] == 0, "set_state mapped records"
         assert head + take(fresh, total) == head + expected
+
+
+@pytest.mark.parametrize("payloads", [False, True])
+@pytest.mark.parametrize("strategy", STREAMING)
+def test_a_restored_packer_pickles_and_its_copy_continues_exactly(strategy: str, payloads: bool) -> None:
+    """A restored packer holds its lazy pieces' refetcher (what a spawned DataLoader worker, or a
+    pickled pipeline under a prefetch that read ahead, carries): it pickles, and the copy's rows
+    are the original's."""
+    pipe = build(strategy, payloads)
+    take(pipe, 3)
+    fresh = build(strategy, payloads)
+    fresh.set_state(pipe.get_state())
+    copied = pickle.loads(pickle.dumps(fresh))
+    assert take(copied, 6) == take(fresh, 6) == take(pipe, 6)
 
 
 @pytest.mark.parametrize("chain", ["parallel_map", "prefetch"])

@@ -5,7 +5,9 @@ the reader is busy, process pools, streams forked mid-file, and DataLoader worke
 
 The reference is always the same pipeline built without prefetch and parallel maps: a copy (and
 the original after it) yields what that pipeline yields from the same point, and its state with
-the read-ahead nodes left out is that pipeline's state. Cases that expose a bug are strict xfails.
+the read-ahead nodes left out is that pipeline's state. The three bugs it found are mended: a
+restored packer that did not pickle, a fork while a prefetch thread read a stream's line, a
+forkserver inherited by a forked child.
 """
 
 from __future__ import annotations
@@ -233,11 +235,10 @@ COPIES: dict[str, Callable[[Node[Any]], Node[Any]]] = {
 
 
 def copy_cases() -> list[tuple[str, str, str]]:
-    """Every builder at every point, pickled (a packer: deep-copied, see the xfail below); the
-    other ways of copying at a few points."""
+    """Every builder at every point, pickled; the other ways of copying at a few points."""
     cases = []
     for name in BUILDERS:
-        ways = [how for how in COPIES if not (name == "pack" and how in ("pickle", "copy_of_a_copy"))]
+        ways = list(COPIES)
         cases += [(name, ways[0], point) for point in POINTS]
         cases += [(name, how, point) for how in ways[1:] for point in ("first", "after_end", "next_epoch")]
     return cases
@@ -269,14 +270,6 @@ def test_a_copy_and_its_original_continue_as_the_pipeline_without_readers(name: 
         pipe.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=(AttributeError, pickle.PicklingError),
-    reason="pickling a read .pack(...).prefetch() rewinds the prefetch, which restores the Pack below "
-    "(Pack._load -> BufferedRows.restored); its lazy pieces then hold a Refetcher whose key check is "
-    "the local closure key_checker.<locals>.check (resumable/pack/_buffered.py:519, 752), which does not "
-    "pickle: AttributeError, not a typed error, and such a pipeline read first cannot go to a spawned worker",
-)
 def test_a_pickled_pack_under_a_prefetch_that_read_ahead_continues() -> None:
     pipe = rs.from_list(RECORDS).pack(6, buffer_size=4).prefetch(2)
     plain = rs.from_list(RECORDS).pack(6, buffer_size=4)
@@ -518,14 +511,6 @@ def _ids_to_the_end(pipe: Node[Any]) -> list[int]:
     return [record["id"] for record in pipe]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="a fork while the prefetch thread is inside readline() of a jsonl_stream's file: the child "
-    "closes the inherited file object (ReadAhead._return_to_record -> JsonlStream._restore -> "
-    "_close_handle, and _close_inherited_handles in resumable/sources/stream.py), whose io buffer lock "
-    "the parent's thread held at the fork and no thread in the child will release: the child hangs for ever",
-)
 @pytest.mark.parametrize("gzipped", [True, False], ids=["gzip", "plain"])
 def test_a_fork_while_the_prefetch_thread_reads_a_stream_line(tmp_path: Path, gzipped: bool) -> None:
     path = _big_lines_file(tmp_path, gzipped)
@@ -572,14 +557,6 @@ def test_a_process_map_pickled_after_use_leaves_the_pool_to_the_original() -> No
         pipe.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="a process-mode parallel map that ran in the parent, forked (a multiprocessing child, not "
-    "daemonic): the child forgets the parent's pool, but its own pool (ParallelMap._executor, "
-    "forkserver context) asks the parent's forkserver, and multiprocessing.forkserver.ensure_running "
-    "raises ChildProcessError (waitpid on the parent's child); nothing resets the forkserver after the fork",
-)
 def test_a_process_map_forked_after_use_continues_in_the_child() -> None:
     plain = rs.from_list(RECORDS).map(double)
     take(plain, 5)

@@ -11,6 +11,7 @@ takes a whole chunk in one call.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import math
@@ -210,6 +211,25 @@ def _preload_in_forkserver() -> None:
 
 _added_to_preload = False
 """Whether ``_preload_in_forkserver`` put the package on the forkserver's list (and may take it off)."""
+
+
+def _forget_the_parents_forkserver() -> None:
+    """In a forked child: the running forkserver is the parent's child, which ``multiprocessing``
+    here would wait for (``ChildProcessError``) before the child's first process pool; so the
+    child forgets it, closing its own copy of the pipe that keeps it alive, and its first pool
+    starts a forkserver of its own. Read from ``multiprocessing``'s forkserver object as the
+    standard library keeps it; left alone where that is missing."""
+    server = getattr(multiprocessing.forkserver, "_forkserver", None)
+    if getattr(server, "_forkserver_pid", None) is None:
+        return
+    alive = getattr(server, "_forkserver_alive_fd", None)
+    server._forkserver_pid = server._forkserver_address = server._forkserver_alive_fd = None  # type: ignore[union-attr]
+    if alive is not None:
+        with contextlib.suppress(OSError):
+            os.close(alive)
+
+
+os.register_at_fork(after_in_child=_forget_the_parents_forkserver)
 
 
 @functools.lru_cache(maxsize=None)

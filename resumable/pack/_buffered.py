@@ -5,6 +5,7 @@ bounded strategy groups into rows, and every piece still held is saved by refere
 from __future__ import annotations
 
 from collections import deque
+from functools import partial
 from itertools import chain
 from typing import TYPE_CHECKING, Any, Callable, Iterator, cast
 
@@ -516,7 +517,7 @@ class BufferedRows:
         planning alone: the documents they took are fetched like the base's."""
         since = _since(state, path)
         whole = state if since is None else since[0]
-        fetcher = Refetcher(pack.upstream.fetch_many, pack._documents.read, path, key_checker(pack.upstream))
+        fetcher = Refetcher(pack.upstream.fetch_many, pack._documents.read, path, partial(key_problem, pack.upstream))
         listed_whole = listed(whole, path)
         entries = _entries(listed_whole)
         reserved = saved_reserved(listed_whole, len(entries), pack.length_fn is not None, path)
@@ -749,25 +750,22 @@ PASS_KEYS = (Filter, Map, Repeat, ReadAhead)
 """Nodes whose items carry their upstream's keys unchanged (``fetch_many`` passes them on)."""
 
 
-def key_checker(upstream: Node[Any]) -> Callable[[RecordKey], str | None]:
-    """What is wrong with a key, where the upstream can tell without fetching (None where it
+def key_problem(upstream: Node[Any], key: RecordKey) -> str | None:
+    """What is wrong with ``key``, where ``upstream`` can tell without fetching (None where it
     cannot, or nothing is): an indexed chain knows its leaf's length, a mix its components;
-    other nodes leave the check to the fetch when the key's row is due."""
-
-    def check(key: RecordKey) -> str | None:
-        node: Node[Any] | None = upstream
-        while isinstance(node, PASS_KEYS):
-            node = node.upstream
-        if isinstance(node, Mix):
-            name = key[0] if len(key) > 2 else None
-            if name not in node.components:
-                return f"{key!r} does not name a component of the mix first"
-            return key_checker(node.components[name])(key[1:])
-        if isinstance(node, IndexedNode) and len(key) == 3 and isinstance(key[0], Stride):
-            return node.stride_problem(key[0], key[1], [key[2]])
-        if isinstance(node, IndexedNode) and len(key) == 2:
-            size = len(node.leaf)
-            return None if key[1] < size else f"record index {key[1]} out of range [0, {size})"
-        return None
-
-    return check
+    other nodes leave the check to the fetch when the key's row is due. A module function, so
+    that a restored packer holding it (``partial(key_problem, upstream)``) still pickles."""
+    node: Node[Any] | None = upstream
+    while isinstance(node, PASS_KEYS):
+        node = node.upstream
+    if isinstance(node, Mix):
+        name = key[0] if len(key) > 2 else None
+        if name not in node.components:
+            return f"{key!r} does not name a component of the mix first"
+        return key_problem(node.components[name], key[1:])
+    if isinstance(node, IndexedNode) and len(key) == 3 and isinstance(key[0], Stride):
+        return node.stride_problem(key[0], key[1], [key[2]])
+    if isinstance(node, IndexedNode) and len(key) == 2:
+        size = len(node.leaf)
+        return None if key[1] < size else f"record index {key[1]} out of range [0, {size})"
+    return None

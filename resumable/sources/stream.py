@@ -121,6 +121,7 @@ class JsonlStream(WatchedIdentity, Node[Any]):
         self._queue: list[list[int]] | None = None  # [file, offset, line] work items; None: not yet assigned
         self._next_queue: list[list[int]] | None = None  # the next epoch's, after a rescale; None: its share
         self._handle: io.BufferedIOBase | None = None
+        self._handle_pid = 0  # the process that opened it
         # Closes the handle if this node is collected (or the interpreter exits) with it open.
         self._handle_closer: weakref.finalize[..., JsonlStream] | None = None
         self._last: RecordKey | None = None
@@ -205,6 +206,7 @@ class JsonlStream(WatchedIdentity, Node[Any]):
                 handle.close()
                 raise
         self._handle, self._handle_closer = handle, weakref.finalize(self, handle.close)
+        self._handle_pid = os.getpid()
         if reached != offset:
             self._close_handle()
             raise StateError(
@@ -234,7 +236,10 @@ class JsonlStream(WatchedIdentity, Node[Any]):
         if self._handle is not None:
             if self._handle_closer is not None:
                 self._handle_closer.detach()
-            self._handle.close()
+            if self._handle_pid == os.getpid():
+                self._handle.close()
+            else:  # the parent's (see _close_inherited_handles): let go, never close
+                _INHERITED_HANDLES.append(self._handle)
             self._handle, self._handle_closer = None, None
 
     def _reject(self, file: int, line: int, error: Exception) -> None:
@@ -420,11 +425,15 @@ class JsonlStream(WatchedIdentity, Node[Any]):
 
 # Streams alive in this process, whose open files a forked child must not share.
 _STREAMS: weakref.WeakSet[JsonlStream] = weakref.WeakSet()
+# File objects a forked child inherited and let go of. Never closed nor freed: a thread of the
+# parent may have been inside one (a prefetch's readline()) at the fork, and its lock, which no
+# thread here will release, would block the close forever.
+_INHERITED_HANDLES: list[io.BufferedIOBase] = []
 
 
 def _close_inherited_handles() -> None:
-    """In a forked child: an open file shares its offset with the parent's, so each stream
-    closes its copy and opens the file again at its next work item's offset when it reads on."""
+    """In a forked child: an open file shares its offset with the parent's, so each stream lets
+    go of its copy and opens the file again at its next work item's offset when it reads on."""
     for stream in list(_STREAMS):
         stream._close_handle()
 

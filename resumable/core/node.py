@@ -333,8 +333,9 @@ class Node(Generic[T]):
         progress, ended, below = mark
         state = self._header()
         state.update(progress)
-        state.update(self._built_header[1])  # type: ignore[index]  # kept by _header(): the live value
-        # of an entry the progress repeats (from_list's length, which grows with its list) wins
+        # the live header wins over a progress entry that repeats it (from_list's length, which
+        # grows with its list); _header() above has just kept it
+        state.update(self._built_header[1])  # type: ignore[index]
         state[ENDED] = ended
         upstream = self.upstream
         if upstream is not None:

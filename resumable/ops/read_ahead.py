@@ -5,8 +5,7 @@ their upstream before the consumer asks for them. Each item travels with the ups
 (``Node._mark``: its counters, from which its state is built later) and key right after it;
 when the item is handed out, those become the node's *recorded* state, which is what
 ``get_state()`` saves. Only a recorded mark is ever built into a state, with the headers the
-live nodes have when it is built (a file's mtime recorded since, a grown list, the topology of
-a Loader worker the pipeline was forked into). Whenever the
+live nodes have when it is built (a file's mtime recorded since, a grown list). Whenever the
 read-ahead is dropped (a new epoch, a shutdown), the upstream, which ran ahead, is first
 returned to the recorded state, so that what follows depends only on what the consumer
 received, never on how far the reader had got.

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import functools
 import json
 import multiprocessing
 import os
@@ -190,6 +191,39 @@ def test_fingerprint_separates_pipelines(tmp_path: Path) -> None:
     data.write_text("".join(json.dumps({"i": i}) + "\n" for i in range(10, 20)))
     os.utime(data, ns=(1, 1))
     assert rs.jsonl(str(data)).cache(tmp_path).fingerprint != before  # the file changed
+
+
+def add(record: int, offset: int = 1, table: Any = None) -> int:
+    return record + offset
+
+
+class Vocabulary:
+    """An object a map is configured with (a tokenizer): its repr names its address."""
+
+
+def test_fingerprint_hashes_plain_arguments_and_only_the_type_of_objects(tmp_path: Path) -> None:
+    """Defaults and a partial's bound arguments that are plain data are hashed; an object's repr
+    differs from process to process, so of an object only its type is, and every DataLoader
+    worker, rank and later job finds the same cache."""
+
+    def fingerprint(fn: Any) -> str:
+        return rs.from_list(list(range(N))).map(fn).cache(tmp_path).fingerprint
+
+    base = fingerprint(add)
+    assert fingerprint(functools.partial(add, offset=2)) != fingerprint(functools.partial(add, offset=3)) != base
+    assert fingerprint(functools.partial(add, offset=2)) == fingerprint(functools.partial(add, offset=2))
+    assert fingerprint(functools.partial(add, table=Vocabulary())) == fingerprint(
+        functools.partial(add, table=Vocabulary())
+    )
+    assert fingerprint(functools.partial(add, table=[1, (2, 3)])) != fingerprint(
+        functools.partial(add, table=[1, (2, 4)])
+    )
+    add.__defaults__ = (5, None)
+    try:
+        assert fingerprint(add) != base  # a default edited
+    finally:
+        add.__defaults__ = (1, None)
+    assert fingerprint(add) == base
 
 
 def test_stray_temp_and_corrupt_blocks_are_ignored(tmp_path: Path) -> None:

@@ -8,6 +8,11 @@ the directory disappears or is shared by other pipelines; resumes cross fresh pr
 start, middle, last item and end of an epoch, warm or cold. What must hold: the data is what the
 uninterrupted run yields (every record once per epoch), and damaged files are rebuilt or refused
 with the library's typed errors, never a wrong record, a raw exception, a crash or a hang.
+
+The six bugs it found are mended: a block file renamed to another block's name was served as
+that block, block metadata that did not fit its table raised AttributeError or gave wrong
+records, a map's or predicate's default arguments and a partial's bound arguments were not in
+the fingerprint, and a sidecar cut short under a running process gave wrong positions or SIGBUS.
 """
 
 from __future__ import annotations
@@ -378,11 +383,6 @@ def test_block_cut_short_while_mapped_is_recomputed_not_sigbus(tmp_path: Path) -
     assert in_child(_read_after_cut, str(tmp_path)) == [EXPECTED[i] for i in range(N)] * 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="block files carry no record range: a block renamed to another block's name (same row "
-    "count) is served as that block (DiskStore.view checks only the row count) -> wrong records",
-)
 def test_swapped_block_files_are_not_served_as_each_other(tmp_path: Path) -> None:
     root = _fill(tmp_path)
     first, second = (os.path.join(root, block_name(b * BLOCK, (b + 1) * BLOCK)) for b in (0, 1))
@@ -407,12 +407,6 @@ BAD_METADATA = {
 }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BlockView trusts the schema metadata: a non-dict value or a column kind that does not fit "
-    "raises a raw AttributeError (not caught by DiskStore.view), and 'wrapped'/'columns' that disagree "
-    "with the table's fields give wrong records instead of recomputing the block",
-)
 @pytest.mark.parametrize("metadata", sorted(BAD_METADATA))
 def test_block_with_metadata_that_does_not_fit_its_table_is_computed_again(tmp_path: Path, metadata: str) -> None:
     root = _fill(tmp_path)
@@ -504,11 +498,6 @@ def _defined(source: str) -> Callable[[Any], Any]:
     return namespace["tokenize_scaled"]  # type: ignore[no-any-return]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_function_fingerprint hashes bytecode and co_consts but not __defaults__: editing a map's "
-    "default argument (docs: 'Editing tokenize therefore gives a new cache') reuses the stale blocks",
-)
 def test_editing_a_maps_default_argument_gives_a_new_cache(tmp_path: Path) -> None:
     template = "def tokenize_scaled(record, scale={}):\n    return {{'id': record['id'] * scale}}\n"
     before, after = _defined(template.format(2)), _defined(template.format(3))
@@ -516,11 +505,6 @@ def test_editing_a_maps_default_argument_gives_a_new_cache(tmp_path: Path) -> No
     assert [r["id"] for r in take(cached(rs.from_list(RECORDS), tmp_path, after), N)] == [3 * i for i in range(N)]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the sidecar key uses _function_fingerprint, which ignores __defaults__: a predicate whose "
-    "default argument was edited loads the old index -> records the new predicate rejects",
-)
 def test_editing_a_predicates_default_argument_gives_a_new_index(tmp_path: Path) -> None:
     template = "def tokenize_scaled(record, modulus={}):\n    return record['id'] % modulus != 0\n"
     for modulus in (3, 4):
@@ -533,11 +517,6 @@ def scaled(record: dict[str, Any], scale: int) -> dict[str, Any]:
     return {"id": record["id"] * scale}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_function_fingerprint hashes a functools.partial's function but not its bound arguments: "
-    "map(partial(f, scale=2)) and map(partial(f, scale=3)) share one cache directory -> stale records",
-)
 def test_partials_with_other_arguments_get_other_caches(tmp_path: Path) -> None:
     two = cached(rs.from_list(RECORDS), tmp_path, functools.partial(scaled, scale=2))
     three = cached(rs.from_list(RECORDS), tmp_path, functools.partial(scaled, scale=3))
@@ -625,12 +604,6 @@ def _read_after_sidecar_cut(directory: str) -> list[int]:
     return first + [r["id"] for r in take(node.shuffle(1), len(node))]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="IndexedFilter reads its memory-mapped sidecar (np.load mmap_mode='r' in _load_sidecar/_build) "
-    "with no size check (Cache has DiskStore's fstat check): a sidecar cut short in place under a running "
-    "process gives zeros as kept positions (wrong records) inside the file's last page, SIGBUS past it",
-)
 def test_sidecar_cut_short_while_mapped_is_not_sigbus(tmp_path: Path) -> None:
     _index(str(tmp_path))
     result = in_child(_read_after_sidecar_cut, str(tmp_path))

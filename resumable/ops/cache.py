@@ -132,21 +132,47 @@ def _hash_code(code: CodeType, digest: Any) -> None:
 
 
 def _function_fingerprint(fn: Any) -> str:
-    """Name and bytecode of a map function: editing ``tokenize`` invalidates the cache.
+    """Name, bytecode and default arguments of a map function, and the arguments a
+    ``functools.partial`` binds: editing ``tokenize`` or ``partial(tokenize, max_len=512)``
+    invalidates the cache.
 
-    Closures' captured values and objects' attributes are not hashed (they have no stable
-    representation across processes): a function configured differently needs another directory.
+    Values that are plain data (numbers, text, None, and tuples, lists, dicts and sets of them)
+    are hashed; of any other value (a tokenizer object, say), closures' captured values and
+    objects' attributes only the type, since they have no representation that is the same in
+    every process: a function configured through them differently needs another directory.
     """
     digest = hashlib.sha256()
     while isinstance(fn, functools.partial):
-        digest.update(b"partial")
+        digest.update(f"partial{_plain_repr(fn.args)}{_plain_repr(fn.keywords)}".encode())
         fn = fn.func
     name = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
     digest.update(name.encode())
     code = getattr(fn, "__code__", None) or getattr(getattr(type(fn), "__call__", None), "__code__", None)
     if isinstance(code, CodeType):
         _hash_code(code, digest)
+    defaults, keyword_defaults = getattr(fn, "__defaults__", None), getattr(fn, "__kwdefaults__", None)
+    if defaults or keyword_defaults:  # nothing added without them: fingerprints as before
+        digest.update(f"defaults{_plain_repr(defaults)}{_plain_repr(keyword_defaults)}".encode())
     return f"{name}:{digest.hexdigest()[:16]}"
+
+
+_PLAIN = (type(None), bool, int, float, complex, str, bytes)
+
+
+def _plain_repr(value: Any) -> str:
+    """``repr(value)`` where it is the same in every process (plain data, nested in tuples,
+    lists, dicts and sets), else the value's type: what a fingerprint may hash of a value."""
+    if isinstance(value, _PLAIN):
+        return repr(value)
+    if isinstance(value, (tuple, list)):
+        return f"{type(value).__name__}({','.join(map(_plain_repr, value))})"
+    if isinstance(value, dict):
+        items = sorted(f"{_plain_repr(key)}:{_plain_repr(item)}" for key, item in value.items())
+        return f"dict({','.join(items)})"
+    if isinstance(value, (set, frozenset)):
+        return f"{type(value).__name__}({','.join(sorted(map(_plain_repr, value)))})"
+    kind = type(value)
+    return f"<{kind.__module__}.{kind.__qualname__}>"
 
 
 def fingerprint(upstream: IndexedNode[Any]) -> tuple[str, dict[str, Any]]:
@@ -321,7 +347,7 @@ class Cache(IndexedNode[T]):
             return view
         start, stop = disk.bounds(block)
         computed = self._compute(start, stop)
-        table = disk_cache.encode_block(computed)
+        table = disk_cache.encode_block(computed, start)
         try:
             disk.write(block, table)
         except OSError as error:

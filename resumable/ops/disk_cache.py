@@ -52,6 +52,9 @@ _PY_TYPES = {bool: pa.bool_(), int: pa.int64(), float: pa.float64(), str: pa.str
 _PY_TAGS = {python_type.__name__: arrow_type for python_type, arrow_type in _PY_TYPES.items()}
 SKIPPED_KEY = "skipped"
 """Block metadata: offsets of records the source skipped as malformed (none stored for them)."""
+START_KEY = "start"
+"""Block metadata: the position of the block's first record, so a file renamed (or copied) to
+another block's name is not served as that block."""
 
 
 class _Skipped:
@@ -120,14 +123,15 @@ def _column(key: str, kind: str, tag: str, values: list[Any]) -> pa.Array:
         raise _unsupported(key, values[0], f": {error}") from error
 
 
-def encode_block(records: Sequence[Any]) -> pa.Table:
-    """An Arrow table holding ``records`` (all dicts with the same keys, or all plain values);
-    ``SKIPPED`` records are not stored, their offsets are listed in the metadata."""
+def encode_block(records: Sequence[Any], start: int) -> pa.Table:
+    """An Arrow table holding ``records`` (all dicts with the same keys, or all plain values),
+    the block's from position ``start``; ``SKIPPED`` records are not stored, their offsets are
+    listed in the metadata."""
     skipped = [offset for offset, record in enumerate(records) if record is SKIPPED]
     if skipped:
         records = [record for record in records if record is not SKIPPED]
     if not records:
-        meta = {"format": FORMAT, "wrapped": True, "columns": {}, SKIPPED_KEY: skipped}
+        meta = {"format": FORMAT, START_KEY: start, "wrapped": True, "columns": {}, SKIPPED_KEY: skipped}
         return pa.table({}, metadata={META_KEY: json.dumps(meta)})
     wrapped = not isinstance(records[0], dict)
     rows = [{VALUE_COLUMN: r} for r in records] if wrapped else list(records)
@@ -152,7 +156,7 @@ def encode_block(records: Sequence[Any]) -> pa.Table:
     for row in rows:
         if len(row) != len(keys):
             raise ConfigError(f"Cache: records of one block have different fields (first has {keys})")
-    meta = {"format": FORMAT, "wrapped": wrapped, "columns": kinds, SKIPPED_KEY: skipped}
+    meta = {"format": FORMAT, START_KEY: start, "wrapped": wrapped, "columns": kinds, SKIPPED_KEY: skipped}
     schema = pa.schema([pa.field(k, c.type) for k, c in zip(keys, columns)], metadata={META_KEY: json.dumps(meta)})
     return pa.Table.from_arrays(columns, schema=schema)
 
@@ -162,17 +166,31 @@ class BlockView:
     ``mapping`` is then the map its buffers view)."""
 
     def __init__(self, table: pa.Table, mapping: mmap.mmap | None = None) -> None:
+        """ValueError unless ``table`` is a block as ``encode_block`` writes it: its metadata
+        is checked against its columns, so a damaged or foreign file is computed again."""
         self._mapping = mapping
         meta = json.loads((table.schema.metadata or {}).get(META_KEY, b"{}"))
-        if meta.get("format") != FORMAT:
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise ValueError("not a resumable cache block")
+        start, wrapped, columns = meta.get(START_KEY), meta.get("wrapped"), meta.get("columns")
+        if type(start) is not int or start < 0 or type(wrapped) is not bool or not isinstance(columns, dict):
+            raise ValueError("a cache block without its start, wrapping or columns")
+        if list(columns) != table.column_names or (wrapped and table.num_columns and list(columns) != [VALUE_COLUMN]):
+            raise ValueError(f"a cache block whose columns {table.column_names} are not those described")
+        skipped = meta.get(SKIPPED_KEY, [])
+        if not isinstance(skipped, list) or not all(type(offset) is int for offset in skipped):
+            raise ValueError("a cache block whose skipped offsets are not a list of ints")
         table = table.combine_chunks()
-        self._skipped = np.asarray(meta.get(SKIPPED_KEY, []), dtype=np.int64)
-        self.num_rows = table.num_rows + len(self._skipped)
-        self._wrapped = bool(meta["wrapped"])
+        self.start = start
+        self._skipped = np.asarray(skipped, dtype=np.int64)
+        self.num_rows = table.num_rows + len(skipped)
+        if skipped and (skipped[0] < 0 or skipped[-1] >= self.num_rows or np.any(np.diff(self._skipped) <= 0)):
+            raise ValueError("a cache block whose skipped offsets do not rise within it")
+        self._wrapped = wrapped
         self._getters: list[tuple[str, Callable[[int], Any]]] = []
-        for key, (kind, _tag) in meta["columns"].items():
+        for key, described in columns.items():
             column = table.column(key)
+            kind = _described_kind(described, column.type)
             array = column.chunk(0) if column.num_chunks else pa.array([], type=column.type)
             self._getters.append((key, _getter(kind, array)))
 
@@ -193,6 +211,32 @@ class BlockView:
         if self._wrapped:
             return self._getters[0][1](offset)
         return {key: get(offset) for key, get in self._getters}
+
+
+def _described_kind(described: Any, arrow_type: pa.DataType) -> str:
+    """The kind of a column described as ``[kind, type tag]``; ValueError unless the column's
+    Arrow type is the one ``encode_block`` writes for that description."""
+    if not (isinstance(described, list) and len(described) == 2 and all(isinstance(v, str) for v in described)):
+        raise ValueError(f"a cache block column described as {described!r}")
+    kind: str = described[0]
+    tag: str = described[1]
+    expected: pa.DataType | None = None
+    try:
+        if kind == ARRAY:
+            expected = pa.large_list(pa.from_numpy_dtype(np.dtype(tag)))
+        elif kind == NUMPY:
+            expected = pa.from_numpy_dtype(np.dtype(tag))
+        elif kind == PYTHON and tag in _PY_TAGS:
+            expected = _PY_TAGS[tag]
+        elif kind == PYTHON and tag == "none":
+            expected = pa.null()
+        elif kind == PYTHON and tag == "list" and (pa.types.is_list(arrow_type) or pa.types.is_null(arrow_type)):
+            expected = arrow_type
+    except (TypeError, ValueError, pa.ArrowException):  # a tag that is no dtype
+        expected = None
+    if expected is None or arrow_type != expected:
+        raise ValueError(f"a cache block column of Arrow type {arrow_type} described as {described!r}")
+    return kind
 
 
 def _getter(kind: str, array: pa.Array) -> Callable[[int], Any]:
@@ -277,7 +321,7 @@ class DiskStore:
             self.known.discard(block)
             return None
         start, stop = self.bounds(block)
-        if view.num_rows != stop - start:
+        if view.start != start or view.num_rows != stop - start:  # another block's file, or cut
             self.known.discard(block)
             return None
         self.known.add(block)

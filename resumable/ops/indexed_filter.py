@@ -396,7 +396,24 @@ class IndexedFilter(IndexedNode[T]):
         return len(self)
 
     def _leaf_indices(self, positions: np.ndarray, epoch: int) -> np.ndarray:
-        return self.upstream._leaf_indices(self.kept[positions].astype(np.int64), epoch)
+        return self.upstream._leaf_indices(self._intact_kept()[positions].astype(np.int64), epoch)
+
+    def _intact_kept(self) -> np.ndarray:
+        """``kept``, loaded again first if its sidecar was cut short in place since it was
+        mapped: reading a map past the end of its file kills the process (SIGBUS). The check is
+        an ``fstat`` of the map numpy keeps (``mmap.size``), once per lookup of a chunk."""
+        kept = self.kept
+        mapping = getattr(kept, "_mmap", None) if self._mapped else None
+        if mapping is not None and mapping.size() < len(mapping):
+            warnings.warn(
+                f"{self.kind}: index sidecar {self.sidecar!r} went from {len(mapping)} to {mapping.size()} bytes "
+                "while in use; rebuilding it",
+                SidecarWarning,
+                stacklevel=4,
+            )
+            self._kept = None
+            kept = self.kept
+        return kept
 
     # -- state: the index is part of the configuration --------------------------------------
 

@@ -16,7 +16,7 @@ import pytest
 import resumable as rs
 from resumable import Node
 from resumable.ops.read_ahead import ReadAhead
-from tests.sources import INDEXED_KINDS, STREAM_KINDS, indexed_source, stream_source
+from tests.sources import INDEXED_KINDS, STREAM_KINDS, _file, indexed_source, stream_source
 from tests.test_read_ahead import read_ahead_fully
 
 RECORDS = [{"id": i, "text": f"record {i}"} for i in range(24)]
@@ -38,9 +38,31 @@ READERS: dict[str, Callable[[Node[Any]], Node[Any]]] = {
 WITH_READERS = [name for name in READERS if name != "none"]
 
 
+REMOTE_KINDS = ("s3_jsonl", "s3_parquet", "s3_jsonl_stream")
+REMOTE: dict[str, Any] = {}
+"""URLs of the records uploaded to the loopback S3 server, and its ``storage_options``."""
+
+
+@pytest.fixture(scope="module")
+def remote(s3_server: Any) -> None:
+    """``RECORDS`` as a JSONL and a Parquet object, and dealt over a plain and a gzip JSONL object."""
+    REMOTE["options"] = s3_server.options
+    REMOTE["s3_jsonl"] = s3_server.upload(_file("jsonl", RECORDS), "copies/records.jsonl")
+    REMOTE["s3_parquet"] = s3_server.upload(_file("parquet", RECORDS), "copies/records.parquet")
+    for part, kind in enumerate(("jsonl", "jsonl_gzip")):
+        s3_server.upload(_file(kind, RECORDS[part::2]), f"copies/stream/part-{part}.jsonl{'.gz' if part else ''}")
+    REMOTE["s3_jsonl_stream"] = "s3://" + REMOTE["s3_jsonl"][len("s3://") :].split("/")[0] + "/copies/stream/part-*"
+
+
 def source(kind: str) -> Node[Any]:
     if kind in STREAM_KINDS:
         return stream_source(kind, RECORDS)
+    if kind == "s3_jsonl_stream":
+        return rs.jsonl_stream(REMOTE[kind], storage_options=REMOTE["options"], chunk_bytes=256)
+    if kind == "s3_jsonl":
+        return rs.jsonl(REMOTE[kind], storage_options=REMOTE["options"]).shuffle(seed=3)
+    if kind == "s3_parquet":
+        return rs.parquet(REMOTE[kind], storage_options=REMOTE["options"]).shuffle(seed=3)
     return indexed_source(kind, RECORDS).shuffle(seed=3)
 
 
@@ -78,6 +100,19 @@ def without_readers(state: dict[str, Any]) -> dict[str, Any]:
 @pytest.mark.parametrize("kind", INDEXED_KINDS + STREAM_KINDS)
 @pytest.mark.parametrize("count", [0, 1, EPOCH // 2, EPOCH - 1, EPOCH])
 def test_a_copy_continues_where_the_consumer_is(how: str, reader: str, kind: str, count: int) -> None:
+    check_a_copy(how, reader, kind, count)
+
+
+@pytest.mark.parametrize("reader", ["prefetch", "prefetch_over_thread_map"])
+@pytest.mark.parametrize("kind", REMOTE_KINDS)
+@pytest.mark.parametrize("count", [0, EPOCH // 2, EPOCH - 1, EPOCH])
+def test_a_copy_of_a_pipeline_over_objects_continues_where_the_consumer_is(
+    remote: None, reader: str, kind: str, count: int
+) -> None:
+    check_a_copy("pickle", reader, kind, count)
+
+
+def check_a_copy(how: str, reader: str, kind: str, count: int) -> None:
     expected, end_state = serial_after(kind, count)
     pipe = build(kind, reader)
     try:
@@ -109,6 +144,18 @@ def _continue_in_child(pipe: Node[Any], sender: Any) -> None:
 @pytest.mark.parametrize("kind", ["list", "jsonl", "jsonl_stream"])
 @pytest.mark.parametrize("count", [0, EPOCH // 2, EPOCH - 1])
 def test_a_forked_copy_continues_where_the_consumer_is(reader: str, kind: str, count: int) -> None:
+    check_a_forked_copy(reader, kind, count)
+
+
+@pytest.mark.parametrize("reader", ["none", "prefetch", "thread_map"])
+@pytest.mark.parametrize("kind", REMOTE_KINDS)
+def test_a_forked_copy_of_a_pipeline_over_objects_continues_where_the_consumer_is(
+    remote: None, reader: str, kind: str
+) -> None:
+    check_a_forked_copy(reader, kind, EPOCH // 2)
+
+
+def check_a_forked_copy(reader: str, kind: str, count: int) -> None:
     expected, end_state = serial_after(kind, count)
     pipe = build(kind, reader)
     try:
@@ -134,7 +181,7 @@ def test_a_forked_copy_continues_where_the_consumer_is(reader: str, kind: str, c
 
 
 def loader_pipeline(kind: str, reader: str) -> Node[Any]:
-    return READERS[reader](indexed_source(kind, RECORDS).shuffle(seed=3).shard()).batch(BATCH)
+    return READERS[reader](source(kind).shard()).batch(BATCH)
 
 
 def loader_epoch(loader: rs.torch.Loader) -> list[list[int]]:
@@ -162,6 +209,15 @@ def test_a_pipeline_read_in_the_main_process_then_in_loader_workers(
     """Read first in the main process (a look at a batch, say), then handed to a Loader: each
     worker reads its shard from the epoch's start, every record comes once, and a state taken
     midway resumes a fresh Loader exactly; the next epoch too."""
+    check_loader_workers(kind, reader, context, persistent)
+
+
+@pytest.mark.parametrize("kind", ["s3_jsonl", "s3_parquet"])
+def test_a_pipeline_over_objects_read_in_the_main_process_then_in_loader_workers(remote: None, kind: str) -> None:
+    check_loader_workers(kind, "prefetch", "fork", True)
+
+
+def check_loader_workers(kind: str, reader: str, context: str, persistent: bool) -> None:
 
     def make_loader(pipe: Node[Any], context: str = context) -> rs.torch.Loader:
         return rs.torch.Loader(pipe, num_workers=2, multiprocessing_context=context, persistent_workers=persistent)

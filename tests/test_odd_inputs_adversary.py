@@ -10,6 +10,10 @@ batches between others, dictionary replacement and deltas, large types. For each
 equals a Python reference parse, and the central resume property holds at k = 0, the middle,
 the last item and past the epoch's end (with ``.shuffle().shard()`` where the source is
 indexed). Malformed input raises only ``rs.ResumableError`` subclasses (or is skipped).
+
+The two bugs it found are mended: ``rs.jsonl_stream(on_error="skip")`` raised on a file it
+could not read (a corrupt gzip stream) instead of skipping its rest, and the stream did not
+skip a UTF-8 byte order mark that ``rs.jsonl`` skips.
 """
 
 from __future__ import annotations
@@ -272,18 +276,15 @@ def test_gzip_with_trailing_garbage_is_a_source_error_after_every_record(tmp_pat
     assert got == reference_lines(STREAM_TEXT)[: len(got)]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="docs/sources.md (Streaming JSONL, Errors): a file that cannot be read (a corrupt gzip stream) is, "
-    "like a malformed line, counted in .skipped with on_error='skip'; JsonlStream._next raises read_error "
-    "for READ_ERRORS regardless of on_error",
-)
 def test_corrupt_gzip_is_skipped_with_on_error_skip(tmp_path: Path) -> None:
     bad = write(tmp_path / "a.jsonl.gz", gzip.compress(b'{"id": 0}\n{"id": 1}\n') + b"garbage")
     good = write(tmp_path / "b.jsonl", b'{"id": 2}\n')
     stream = rs.jsonl_stream([bad, good], on_error="skip")
     assert [r["id"] for r in stream] == [0, 1, 2]
     assert stream.skipped == 1
+    check_all_resumes(lambda: rs.jsonl_stream([bad, good], on_error="skip"), 3)
+    with pytest.raises(rs.SourceError, match="a.jsonl.gz:3"):
+        list(rs.jsonl_stream([bad, good]))
 
 
 def test_gzip_that_is_not_gzip_or_cut_in_its_header_is_a_source_error(tmp_path: Path) -> None:
@@ -298,20 +299,16 @@ def test_gzip_that_is_not_gzip_or_cut_in_its_header_is_a_source_error(tmp_path: 
             list(rs.jsonl_stream(path))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="rs.jsonl_stream does not skip a UTF-8 BOM at the start of a file (orjson refuses it: "
-    "'malformed JSON record: UTF-8 byte order mark (BOM) is not supported'), while rs.jsonl reads the "
-    "same file (docs/sources.md promises 'A UTF-8 byte-order mark at the start of a file is skipped' for rs.jsonl "
-    "and says nothing of the stream, so a file one JSONL source reads the other cannot, gzip or plain); "
-    "JsonlStream._next passes the first line to orjson.loads as read",
-)
 @pytest.mark.parametrize("compressed", [False, True])
 def test_stream_skips_a_utf8_bom_like_the_indexed_source(tmp_path: Path, compressed: bool) -> None:
     data = BOM + b'{"id": 0}\r\n{"id": 1}\n'
     assert list(rs.jsonl(write(tmp_path / "indexed.jsonl", data))) == [{"id": 0}, {"id": 1}]
     path = write(tmp_path / ("s.jsonl.gz" if compressed else "s.jsonl"), gzip.compress(data) if compressed else data)
     assert list(rs.jsonl_stream(path)) == [{"id": 0}, {"id": 1}]
+    check_all_resumes(lambda: rs.jsonl_stream(path), 2)
+    stream = rs.jsonl_stream(path)
+    next(stream)
+    assert stream.fetch(stream.last_key()) == {"id": 0}  # a packer's refetch of the first line
 
 
 def test_stream_odd_lines_match_the_reference_and_resume(tmp_path: Path) -> None:

@@ -39,6 +39,7 @@ from resumable.core.state import (
 from resumable.errors import ConfigError, SourceError, StateError
 from resumable.order.lcg import Permutation
 from resumable.order.topology import TOPOLOGY_KEYS, Consumer, Topology
+from resumable.sources._line_scan import UTF8_BOM
 from resumable.sources.files import (
     READ_ERRORS,
     Paths,
@@ -177,12 +178,19 @@ class JsonlStream(WatchedIdentity, Node[Any]):
                 raw = handle.readline()
             except READ_ERRORS as error:
                 self._close_handle()
-                raise read_error(f"{self.kind}: cannot read {self.paths[file]}:{line + 1}", error) from error
+                failure = read_error(f"{self.kind}: cannot read {self.paths[file]}:{line + 1}", error)
+                if self.on_error != "skip":
+                    raise failure from error
+                self._skip_unreadable(failure)
+                queue.pop(0)  # the rest of the file cannot be read
+                continue
             if not raw:
                 self._close_handle()
                 queue.pop(0)
                 continue
             queue[0] = [file, offset + len(raw), line + 1]
+            if offset == 0 and raw.startswith(UTF8_BOM):  # skipped, as rs.jsonl skips it
+                raw = raw[len(UTF8_BOM) :]
             if not raw.strip():
                 continue
             try:
@@ -241,6 +249,13 @@ class JsonlStream(WatchedIdentity, Node[Any]):
             else:  # the parent's (see _close_inherited_handles): let go, never close
                 _INHERITED_HANDLES.append(self._handle)
             self._handle, self._handle_closer = None, None
+
+    def _skip_unreadable(self, failure: SourceError) -> None:
+        """Count a file whose rest cannot be read (``on_error="skip"``): removed, unreadable, a
+        corrupt or truncated gzip stream."""
+        self.skipped += 1
+        if self.skipped <= LOGGED_SKIPS:
+            logger.warning("skipped the rest of a file (%s)", failure)
 
     def _reject(self, file: int, line: int, error: Exception) -> None:
         where = f"{self.paths[file]}:{line}"
@@ -442,7 +457,10 @@ os.register_at_fork(after_in_child=_close_inherited_handles)
 
 
 def _record(path: str, offset: int, raw: bytes) -> Any:
-    """The JSON record of the line ``raw`` read at byte ``offset`` of ``path``."""
+    """The JSON record of the line ``raw`` read at byte ``offset`` of ``path`` (a UTF-8 byte
+    order mark before the first line left out)."""
+    if offset == 0 and raw.startswith(UTF8_BOM):
+        raw = raw[len(UTF8_BOM) :]
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as error:

@@ -8,7 +8,10 @@ odd ``start_epoch`` arguments, ``for`` loops broken and resumed, states sent thr
 afterwards, ``len()`` against what is yielded, a Loader restored in the middle of iterating.
 
 What must hold: the documented behaviour, or a typed ``rs.ResumableError`` naming the node that
-leaves the pipeline as it was; never a record skipped or repeated.
+leaves the pipeline as it was; never a record skipped or repeated. Two bugs it found are mended
+(a mix whose components shared a node read item by item split its records between them; a
+packer kept the caller's ``set_state`` dict as the base of its later states); the xfail left is
+a documented limit (one node read item by item under two pipelines).
 """
 
 from __future__ import annotations
@@ -102,13 +105,6 @@ def test_a_mix_of_two_indexed_maps_over_one_source_gives_every_record_to_each() 
     assert sorted(out) == [(name, x) for name in "ab" for x in range(6)]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="rs.mix only refuses the same node object at the top of two components "
-    "(resumable/ops/mix.py, the id() check in Mix.__init__); a cursor-holding node shared below "
-    "them (src.filter(f) and src.filter(g) over one src) silently splits its records between "
-    "the components: each gets about half, none gets every record",
-)
 def test_a_mix_whose_components_share_a_cursor_node_is_refused_or_reads_it_whole() -> None:
     src = numbers(6)
     try:
@@ -124,10 +120,9 @@ def test_a_mix_whose_components_share_a_cursor_node_is_refused_or_reads_it_whole
 
 @pytest.mark.xfail(
     strict=True,
-    reason="one node that holds the cursor (the outermost indexed node) used as the upstream of "
-    "two pipelines: both advance the same cursor, so each pipeline silently skips the records "
-    "the other took (no ConfigError at construction, e.g. Node.__init__ does not see the "
-    "upstream already has a downstream reader)",
+    reason="a known limit, documented in docs/state.md ('A cursor has one reader'): one node read item "
+    "by item used as the upstream of two pipelines hands each part of its records (nothing refuses "
+    "it at construction: a node cannot tell a live second pipeline from a dropped first one)",
 )
 def test_two_pipelines_over_one_cursor_node_are_refused_or_independent() -> None:
     src = numbers(10)
@@ -305,14 +300,6 @@ def test_a_state_the_caller_mutates_after_set_state_does_not_move_the_pipeline(n
         assert take(pipe, 4) == expected[3:7]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Pack.set_state keeps the caller's state dict (its refs/ready_sizes/... entries) as the "
-    "base of its later delta states ('base_progress' + 'events_since'), uncopied: a caller who "
-    "edits or reuses that dict after set_state corrupts every later get_state() of the packer "
-    "(here: 'sections' counts 3 pieces, 'refs' holds 0 on restore); docs/state.md only asks to "
-    "treat states *taken* as read-only (resumable/pack: the restored progress becomes the base)",
-)
 def test_a_packer_state_the_caller_mutates_after_set_state_does_not_spoil_later_states() -> None:
     expected = reference("pack", 9)
     mine = copy.deepcopy(state_after("pack", 3))

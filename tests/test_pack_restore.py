@@ -6,6 +6,7 @@ states saved before ``reserved`` existed still restore exactly, by fetching ever
 
 from __future__ import annotations
 
+import copy
 import json
 import pickle
 from typing import Any
@@ -100,6 +101,38 @@ def test_a_restored_packer_pickles_and_its_copy_continues_exactly(strategy: str,
     fresh.set_state(pipe.get_state())
     copied = pickle.loads(pickle.dumps(fresh))
     assert take(copied, 6) == take(fresh, 6) == take(pipe, 6)
+
+
+def scrambled(value: Any) -> None:
+    """Change every number, flag and list of a state in place (what a caller's later edits do)."""
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in list(items):
+        if isinstance(item, (dict, list)):
+            scrambled(item)
+        elif isinstance(item, bool):
+            value[key] = not item
+        elif isinstance(item, int):
+            value[key] = item + 7
+    if isinstance(value, list):
+        value.append(0)
+
+
+@pytest.mark.parametrize("strategy", STREAMING)
+def test_a_state_the_caller_edits_after_set_state_changes_nothing(strategy: str) -> None:
+    """The restored packer's later states build on what it loaded, not on the caller's dict."""
+    pipe = build(strategy, True)
+    take(pipe, 4)
+    state = pipe.get_state()
+    control, edited = build(strategy, True), build(strategy, True)
+    control.set_state(copy.deepcopy(state))
+    mine = copy.deepcopy(state)
+    edited.set_state(mine)
+    scrambled(mine)
+    assert take(edited, 5) == take(control, 5)
+    assert edited.get_state() == control.get_state()
+    again = build(strategy, True)
+    again.set_state(edited.get_state())
+    assert take(again, 5) == take(control, 5)
 
 
 @pytest.mark.parametrize("chain", ["parallel_map", "prefetch"])

@@ -48,8 +48,9 @@ packer (or any buffer that keeps references) may follow a mix.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Sequence, TypeVar
+from typing import Any, Iterator, Mapping, Sequence, TypeVar
 
+from resumable.core.indexed import IndexedNode
 from resumable.core.keys import RecordKey
 from resumable.core.node import Node
 from resumable.core.state import (
@@ -85,6 +86,19 @@ WEIGHTS = "weights"  # informational only: never validated
 LAST = "last"
 
 
+def _read_item_by_item(node: Node[Any]) -> Iterator[Node[Any]]:
+    """``node`` and the nodes below it that are read through their own cursor, item by item:
+    all but the indexed nodes under an indexed node, which reads them by position."""
+    pending = [node]
+    while pending:
+        current = pending.pop()
+        yield current
+        indexed = isinstance(current, IndexedNode)
+        pending.extend(
+            child for child in current._children().values() if not (indexed and isinstance(child, IndexedNode))
+        )
+
+
 class Mix(Node[T]):
     """Interleave named component pipelines by weight; see the module docstring for the rules.
 
@@ -118,15 +132,22 @@ class Mix(Node[T]):
             raise ConfigError(f"{kind}: components must be a dict {{name: node}}, got {type(components).__name__}")
         if not components:
             raise ConfigError(f"{kind}: components must not be empty")
-        seen: set[int] = set()
+        readers: dict[int, str] = {}  # a node read item by item -> the component reading it
         for name, node in components.items():
             if not isinstance(name, str) or not name:
                 raise ConfigError(f"{kind}: component names must be non-empty strings, got {name!r}")
             if not isinstance(node, Node):
                 raise ConfigError(f"{kind}[{name}]: a component must be a resumable node, got {type(node).__name__}")
-            if id(node) in seen:
+            if id(node) in readers:
                 raise ConfigError(f"{kind}[{name}]: the same node object is given twice; build one per component")
-            seen.add(id(node))
+            for reader in _read_item_by_item(node):
+                other = readers.setdefault(id(reader), name)
+                if other != name:
+                    raise ConfigError(
+                        f"{kind}[{name}]: its {reader.kind} is also read by component {other!r}, and a node read "
+                        "item by item hands each record to one reader only; build one per component (nodes read "
+                        "by position, below a shuffle, shard or map of an indexed source, may be shared)"
+                    )
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ConfigError(f"{kind}: seed must be a non-negative int, got {seed!r}")
         if on_end not in ON_END:

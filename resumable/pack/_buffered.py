@@ -4,6 +4,7 @@ bounded strategy groups into rows, and every piece still held is saved by refere
 
 from __future__ import annotations
 
+import copy
 from collections import deque
 from functools import partial
 from itertools import chain
@@ -598,8 +599,8 @@ class BufferedRows:
         rows._pieces, rows._table = pieces, table
         rows._ready, rows._span, rows._exhausted = ready, span, exhausted
         rows._inherited = inherited
-        if compact is not None:
-            rows._rebase({key: state[key] for key in PROGRESS_ENTRIES if key in state})
+        if compact is not None:  # a copy: the caller's state may change after set_state
+            rows._rebase(copy.deepcopy({key: state[key] for key in PROGRESS_ENTRIES if key in state}))
         return rows
 
     @staticmethod

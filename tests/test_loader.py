@@ -480,8 +480,8 @@ def legacy_loader(pipeline: Any, every: int, **config: Any) -> Loader:
     loader = Loader(pipeline, **config)
     loader.snapshot_every_n_steps = every  # read by torchdata when it builds the next iterator
     # workers that hand over plain batches, whose states travel in torchdata's snapshots
-    if isinstance(loader.collate_fn, CollateBatch):
-        loader.collate_fn = loader.collate_fn.collate_fn
+    if isinstance(loader.collate_fn, CollateBatch):  # past the Loader's guard on built options
+        super(Loader, loader).__setattr__("collate_fn", loader.collate_fn.collate_fn)
     return loader
 
 

@@ -462,9 +462,9 @@ def test_replacing_a_hook_on_a_built_loader_works_or_is_a_clear_config_error(att
     exact states) or refuse with a ``ConfigError`` that names the Loader and says to pass the
     hook to its constructor."""
     loader = Loader(numbers, num_workers=WORKERS)
-    setattr(loader, attribute, user_init if attribute == "worker_init_fn" else add_one)
     shift = 1 if attribute == "collate_fn" else 0
     try:
+        setattr(loader, attribute, user_init if attribute == "worker_init_fn" else add_one)
         with loader:
             got = sorted(x for batch in loader for x in batch)
     except rs.ConfigError as error:

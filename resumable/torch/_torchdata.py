@@ -293,6 +293,7 @@ def shut_down_half_built_iterators(error: BaseException) -> None:
         frame = traceback.tb_frame
         if frame.f_code in _ITERATOR_INIT_CODES:
             candidate = frame.f_locals.get("self")
-            if isinstance(candidate, _StatefulMultiProcessingDataLoaderIter):
+            # one that failed before it set _shutdown has no workers yet
+            if isinstance(candidate, _StatefulMultiProcessingDataLoaderIter) and hasattr(candidate, "_shutdown"):
                 candidate._shutdown_workers()
         traceback = traceback.tb_next

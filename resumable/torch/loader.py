@@ -87,6 +87,7 @@ class Loader(StatefulDataLoader):  # type: ignore[misc]  # torchdata is untyped 
     ) -> None:
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
             raise ConfigError(f"Loader: num_workers must be an int >= 0, got {num_workers!r}")
+        _check_worker_options(num_workers, collate_fn, worker_init_fn, timeout, prefetch_factor)
         _check_snapshot_every(snapshot_every_n_steps)
         dataset = pipeline if isinstance(pipeline, PipelineDataset) else PipelineDataset(pipeline)
         if num_workers:  # each batch comes with its state (_torchdata._MultiProcessIterator)
@@ -111,6 +112,15 @@ class Loader(StatefulDataLoader):  # type: ignore[misc]  # torchdata is untyped 
         self._next_iter_advances = False  # whether the next iter() starts epoch _epoch + 1
         self._loaded: dict[str, Any] | None = None  # the state loaded, until the next iter()
         _OPEN_LOADERS.add(self)
+        self._built = True
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Refuse the options the workers are built with once the Loader is: torch reads them at
+        the next ``iter()``, past the checks above and the wrapping of ``collate_fn`` that makes
+        each batch carry its worker's state."""
+        if name in FIXED_OPTIONS and getattr(self, "_built", False):
+            raise ConfigError(f"Loader: {name} cannot be changed once the Loader is built; build another")
+        super().__setattr__(name, value)
 
     def __iter__(self) -> Any:
         if self._next_iter_advances:
@@ -293,6 +303,29 @@ class Loader(StatefulDataLoader):  # type: ignore[misc]  # torchdata is untyped 
         self.next_iter_state = resume
         self.dataset.rescaled = rescaled
         self._epoch, self._next_iter_advances, self._loaded = epoch, next_iter_advances, loaded
+
+
+FIXED_OPTIONS = frozenset(
+    {"num_workers", "collate_fn", "worker_init_fn", "timeout", "prefetch_factor", "multiprocessing_context"}
+)
+"""Options a built Loader refuses to change (torch itself guards ``batch_size``, ``sampler``...)."""
+
+
+def _check_worker_options(
+    num_workers: int, collate_fn: Any, worker_init_fn: Any, timeout: Any, prefetch_factor: Any
+) -> None:
+    """ConfigError for options that torch would only refuse at the first ``iter()``, deep in an
+    iterator or a worker (a bare assertion, a call of something not callable)."""
+    for name, function in (("collate_fn", collate_fn), ("worker_init_fn", worker_init_fn)):
+        if function is not None and not callable(function):
+            raise ConfigError(f"Loader: {name} must be callable or None, got {function!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
+        raise ConfigError(f"Loader: timeout must be a number of seconds >= 0, got {timeout!r}")
+    if timeout and not num_workers:
+        raise ConfigError(f"Loader: timeout={timeout!r} waits for workers; with num_workers=0 there are none")
+    if prefetch_factor is not None and num_workers:
+        if isinstance(prefetch_factor, bool) or not isinstance(prefetch_factor, int) or prefetch_factor < 1:
+            raise ConfigError(f"Loader: prefetch_factor must be an int >= 1 or None, got {prefetch_factor!r}")
 
 
 def _check_snapshot_every(every: Any) -> None:

@@ -56,6 +56,25 @@ def roundtrip(state: dict[str, Any]) -> dict[str, Any]:
     return json.loads(json.dumps(state))
 
 
+def scribble(value: Any) -> None:
+    """Edit a state in place everywhere, as a caller reusing its dict would: every flag flipped,
+    number moved and text changed, an entry added to every dict and an item to every list."""
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in list(items):
+        if isinstance(item, (dict, list)):
+            scribble(item)
+        elif isinstance(item, bool):
+            value[key] = not item
+        elif isinstance(item, int):
+            value[key] = item + 1
+        elif isinstance(item, str):
+            value[key] = item + "x"
+    if isinstance(value, dict):
+        value["junk"] = 1
+    elif isinstance(value, list):
+        value.append(7)
+
+
 def restored(build: Build, state: dict[str, Any]) -> Node[Any]:
     pipe = build()
     pipe.set_state(roundtrip(state))

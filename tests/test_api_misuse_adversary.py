@@ -26,6 +26,7 @@ import torch
 
 import resumable as rs
 import resumable.torch as rst
+from tests.resume import scribble
 
 
 def norm(value: Any) -> Any:
@@ -277,24 +278,6 @@ def test_a_state_the_caller_mutates_after_set_state_does_not_move_the_pipeline(n
     mine = copy.deepcopy(state)
     with BUILDS[name]() as pipe:
         pipe.set_state(mine)
-
-        def scribble(node: Any) -> None:
-            if isinstance(node, dict):
-                for key, value in list(node.items()):
-                    if isinstance(value, (dict, list)):
-                        scribble(value)
-                    elif isinstance(value, bool):
-                        node[key] = not value
-                    elif isinstance(value, int):
-                        node[key] = value + 1
-                    elif isinstance(value, str):
-                        node[key] = value + "x"
-                node["junk"] = 1
-            elif isinstance(node, list):
-                for item in node:
-                    scribble(item)
-                node.append(7)
-
         scribble(mine)
         assert pipe.get_state() == state
         assert take(pipe, 4) == expected[3:7]

@@ -17,7 +17,7 @@ import pytest
 import resumable as rs
 import resumable.torch as rst
 from resumable.elastic import restore
-from tests.resume import check_resume, take
+from tests.resume import check_resume, scribble, take
 
 SEQ_LEN = 16
 BUFFER = 6
@@ -103,20 +103,6 @@ def test_a_restored_packer_pickles_and_its_copy_continues_exactly(strategy: str,
     assert take(copied, 6) == take(fresh, 6) == take(pipe, 6)
 
 
-def scrambled(value: Any) -> None:
-    """Change every number, flag and list of a state in place (what a caller's later edits do)."""
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    for key, item in list(items):
-        if isinstance(item, (dict, list)):
-            scrambled(item)
-        elif isinstance(item, bool):
-            value[key] = not item
-        elif isinstance(item, int):
-            value[key] = item + 7
-    if isinstance(value, list):
-        value.append(0)
-
-
 @pytest.mark.parametrize("strategy", STREAMING)
 def test_a_state_the_caller_edits_after_set_state_changes_nothing(strategy: str) -> None:
     """The restored packer's later states build on what it loaded, not on the caller's dict."""
@@ -127,7 +113,7 @@ def test_a_state_the_caller_edits_after_set_state_changes_nothing(strategy: str)
     control.set_state(copy.deepcopy(state))
     mine = copy.deepcopy(state)
     edited.set_state(mine)
-    scrambled(mine)
+    scribble(mine)
     assert take(edited, 5) == take(control, 5)
     assert edited.get_state() == control.get_state()
     again = build(strategy, True)

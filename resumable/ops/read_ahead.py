@@ -44,7 +44,6 @@ class ReadAhead(Node[T]):
 
     def __init__(self, upstream: Node[Any]) -> None:
         super().__init__(upstream)
-        self._finalizer: weakref.finalize[..., ReadAhead[T]] | None = None  # stops the reader when dropped
         self._fresh_reader()
         _READ_AHEADS.add(self)
         # Upstream mark and key as of the last item handed out; None: the live upstream's
@@ -94,7 +93,7 @@ class ReadAhead(Node[T]):
     def _fresh_reader(self) -> None:
         """Set ``_reader_attributes`` as before the first item, without touching their old
         values (in a fork they are the parent's: a lock its thread may hold, its pool)."""
-        self._finalizer = None
+        self._finalizer: weakref.finalize[..., ReadAhead[T]] | None = None  # stops the reader when dropped
 
     def _reads_ahead(self) -> bool:
         """Hook: whether a reader runs and may have moved the upstream past the record."""

@@ -189,8 +189,8 @@ class JsonlStream(WatchedIdentity, Node[Any]):
                 queue.pop(0)
                 continue
             queue[0] = [file, offset + len(raw), line + 1]
-            if offset == 0 and raw.startswith(UTF8_BOM):  # skipped, as rs.jsonl skips it
-                raw = raw[len(UTF8_BOM) :]
+            if offset == 0:  # a file's first line; the others pay one comparison
+                raw = _without_bom(raw)
             if not raw.strip():
                 continue
             try:
@@ -456,13 +456,16 @@ def _close_inherited_handles() -> None:
 os.register_at_fork(after_in_child=_close_inherited_handles)
 
 
+def _without_bom(first_line: bytes) -> bytes:
+    """A file's first line without the UTF-8 byte order mark that may open it (skipped, as
+    ``rs.jsonl`` skips it)."""
+    return first_line[len(UTF8_BOM) :] if first_line.startswith(UTF8_BOM) else first_line
+
+
 def _record(path: str, offset: int, raw: bytes) -> Any:
-    """The JSON record of the line ``raw`` read at byte ``offset`` of ``path`` (a UTF-8 byte
-    order mark before the first line left out)."""
-    if offset == 0 and raw.startswith(UTF8_BOM):
-        raw = raw[len(UTF8_BOM) :]
+    """The JSON record of the line ``raw`` read at byte ``offset`` of ``path``."""
     try:
-        return orjson.loads(raw)
+        return orjson.loads(_without_bom(raw) if offset == 0 else raw)
     except orjson.JSONDecodeError as error:
         raise SourceError(f"{path}: no JSON record at byte {offset}: {error}") from error
 

@@ -59,6 +59,7 @@ PRIVATE_ATTRIBUTES = {
         "_snapshot_interval",
         "_index_queues",
         "_worker_result_queue",
+        "_shutdown",
     ),
 }
 """Private attributes of a live iterator used here, by class (set by ``__init__``); the test

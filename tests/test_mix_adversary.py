@@ -469,7 +469,6 @@ def test_invalid_set_weights_is_a_config_error_that_changes_nothing(weights: Any
         three(on_end, weights) if weights else rs.mix({"a": ints(0, 1)}, weights=weights)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: an int weight too large for a float raises OverflowError, not ConfigError")
 def test_an_int_weight_too_large_for_a_float_is_a_config_error() -> None:
     pipe, twin = three("drop"), three("drop")
     take(pipe, 4), take(twin, 4)
@@ -483,9 +482,6 @@ def test_an_int_weight_too_large_for_a_float_is_a_config_error() -> None:
         three("drop", {"a": 10**400, "b": 1, "c": 1})
 
 
-@pytest.mark.xfail(
-    strict=True, reason="BUG: numpy scalar weights other than float64 (np.float32, np.int64) are refused as not numbers"
-)
 @pytest.mark.parametrize("scalar", [np.float32, np.int64], ids=["float32", "int64"])
 def test_numpy_scalar_weights_are_numbers(scalar: Any) -> None:
     weights = {"a": scalar(3), "b": scalar(1), "c": scalar(0)}
@@ -494,10 +490,6 @@ def test_numpy_scalar_weights_are_numbers(scalar: Any) -> None:
     assert take(pipe, 30) == take(reference, 30)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: finite weights whose sum overflows to inf get share 0 each (smooth: equal turns; random: last)",
-)
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_huge_finite_weights_still_mix_in_proportion(schedule: str) -> None:
     pipe = rs.mix(
@@ -694,7 +686,6 @@ def test_weights_in_a_state_are_informational_even_when_garbage() -> None:
     assert plain(take(restored(build, state), 10)) == expected
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: an int credit too large for a float makes set_state raise OverflowError")
 def test_a_credit_too_large_for_a_float_is_a_state_error() -> None:
     build = fuzz_build("drop")
     source = build()

@@ -22,6 +22,7 @@ weight over the eligible ones, in the order the components were given: a pure fu
 
 from __future__ import annotations
 
+import math
 from typing import Mapping, Sequence
 
 from resumable.order.lcg import _splitmix64
@@ -39,6 +40,11 @@ def shares(
     the eligible weight."""
     eligible = [name for name in names if active[name] and weights[name] > 0]
     total = sum(weights[name] for name in eligible)
+    if not math.isfinite(total):  # finite weights near the largest float: their shares, scaled first
+        top = max(weights[name] for name in eligible)
+        scaled = {name: weights[name] / top for name in eligible}
+        total = sum(scaled.values())
+        return eligible, {name: scaled[name] / total for name in eligible}
     return eligible, {name: weights[name] / total for name in eligible}
 
 

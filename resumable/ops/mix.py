@@ -48,7 +48,8 @@ packer (or any buffer that keeps references) may follow a mix.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterator, Mapping, Sequence, TypeVar
+import numbers
+from typing import Any, Iterator, Mapping, Sequence, TypeVar, cast
 
 from resumable.core.indexed import IndexedNode
 from resumable.core.keys import RecordKey
@@ -184,11 +185,12 @@ class Mix(Node[T]):
         checked: dict[str, float] = {}
         for name in self.names:
             weight = weights[name]
-            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+            value = _finite(weight) if isinstance(weight, numbers.Real) and not isinstance(weight, bool) else None
+            if value is None:
                 raise ConfigError(f"{kind}[{name}]: weight must be a finite number, got {weight!r}")
-            if weight < 0:
+            if value < 0:
                 raise ConfigError(f"{kind}[{name}]: weight must be >= 0, got {weight!r}")
-            checked[name] = float(weight)
+            checked[name] = value
         if not any(checked.values()):
             raise ConfigError(f"{kind}: at least one weight must be positive, got {checked!r}")
         return checked
@@ -412,9 +414,9 @@ class Mix(Node[T]):
         counts = self._per_name(state, COUNTS, int, path)
         if any(count < 0 for count in counts.values()) or sum(counts.values()) != self._step:
             raise StateError(f"{path}: state counts {counts!r} do not add up to step {self._step}")
-        credits = self._per_name(state, CREDITS, (int, float), path)
-        if not all(math.isfinite(value) for value in credits.values()):
-            raise StateError(f"{path}: state credits {credits!r} are not finite")
+        credits = {name: _finite(value) for name, value in self._per_name(state, CREDITS, (int, float), path).items()}
+        if any(value is None for value in credits.values()):
+            raise StateError(f"{path}: state credits {short_repr(state[CREDITS])} are not finite")
         restarts = self._per_name(state, RESTARTS, int, path)
         if any(value < 0 for value in restarts.values()):
             raise StateError(f"{path}: state restarts {restarts!r} must be >= 0")
@@ -422,7 +424,7 @@ class Mix(Node[T]):
         if last is not None and last not in self.components:
             raise StateError(f"{path}: state names an unknown last component {last!r}")
         self._counts = counts
-        self._credits = {name: float(value) for name, value in credits.items()}
+        self._credits = cast("dict[str, float]", credits)  # all finite floats (checked above)
         self._active = self._per_name(state, ACTIVE, bool, path)
         self._restarts = restarts
         self._fresh = self._per_name(state, FRESH, bool, path)
@@ -469,3 +471,13 @@ def mix(
 ) -> Mix[Any]:
     """Interleave named pipelines by weight, deterministically and resumably (see ``Mix``)."""
     return Mix(components, weights=weights, seed=seed, on_end=on_end, schedule=schedule)
+
+
+def _finite(value: numbers.Real) -> float | None:
+    """``value`` as a float, or None if it is not finite as one (NaN, infinite, or an int
+    beyond the largest float, which ``float()`` refuses)."""
+    try:
+        converted = float(value)
+    except OverflowError:
+        return None
+    return converted if math.isfinite(converted) else None

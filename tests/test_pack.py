@@ -297,6 +297,8 @@ def test_whole_epoch_bfd_needs_an_indexed_upstream() -> None:
 class Untraceable(rs.Node):
     """A custom node that does not implement the provenance protocol."""
 
+    _reads_upstream = False
+
     def __init__(self, records: list[dict[str, Any]]) -> None:
         super().__init__(None)
         self._records = iter(records)

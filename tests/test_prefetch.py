@@ -201,6 +201,8 @@ def test_exception_from_a_generator_upstream() -> None:
     class Broken(Node[int]):
         """A stream that fails for good after three items."""
 
+        _reads_upstream = False
+
         def __init__(self) -> None:
             super().__init__()
             self.count = 0

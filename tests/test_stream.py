@@ -167,7 +167,7 @@ def test_bad_options_are_config_errors(tmp_path: Path) -> None:
         rs.jsonl_stream(pattern, rank=3, world_size=2)
     with pytest.raises(rs.ConfigError, match="give both rank and world_size"):
         rs.jsonl_stream(pattern, rank=0)
-    with pytest.raises(rs.ConfigError, match="shuffle_files must be an int"):
+    with pytest.raises(rs.ConfigError, match="shuffle_files must be a non-negative int or None"):
         rs.jsonl_stream(pattern, shuffle_files=True)
     with pytest.raises(rs.SourceError, match="no files match"):
         rs.jsonl_stream(str(tmp_path / "nothing*.jsonl"))

@@ -19,6 +19,7 @@ import numpy as np
 
 from resumable.core.keys import RecordKey, Stride, leaf_key
 from resumable.core.node import Node
+from resumable.core.options import flag_option
 from resumable.core.state import require_count
 from resumable.errors import ConfigError, StateError
 from resumable.order.partition import shard_size
@@ -138,7 +139,7 @@ class IndexedNode(Node[T]):
     whose decoder may be costly (images) leave it False: records are decoded as handed out."""
 
     def __init__(self, upstream: IndexedNode[Any] | None = None) -> None:
-        if upstream is not None and not isinstance(upstream, IndexedNode):
+        if isinstance(upstream, Node) and not isinstance(upstream, IndexedNode):
             raise ConfigError(
                 f"{type(self).__name__} needs random access, but {upstream.kind} is not indexed; "
                 "place it before filter, batch and pack"
@@ -414,7 +415,7 @@ class IndexedNode(Node[T]):
         filter. ``cache_dir`` keeps that index in a memory-mapped sidecar shared by processes and
         jobs; change ``index_key`` whenever the predicate's meaning changes. With ``batched``,
         ``predicate`` takes a list of records and returns one bool per record (index only)."""
-        if not index:
+        if not flag_option(self.kind, "index", index):
             if batched:
                 raise ConfigError(f"{self.kind}: filter(batched=True) needs index=True")
             return super().filter(predicate)

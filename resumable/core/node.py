@@ -26,6 +26,7 @@ from typing import (
 )
 
 from resumable.core.keys import RecordKey
+from resumable.core.options import choice_option, flag_option, int_option
 from resumable.core.state import (
     ENDED,
     KIND,
@@ -69,6 +70,9 @@ class Node(Generic[T]):
     """The node's name in its states. Each node class declares it (``kind = "Batch"``) and a
     subclass inherits it, so renaming or subclassing a class keeps checkpoints loadable; a
     class that declares none and derives from no declaring class is named after itself."""
+    # Whether the node reads an upstream node (all but sources and a mix, which read none or
+    # their components): building one without is a ConfigError.
+    _reads_upstream: ClassVar[bool] = True
     # Whether the upstream's state includes its counters. An indexed node reads its upstream
     # by random access, so only the upstream's configuration matters.
     _upstream_progress: ClassVar[bool] = True
@@ -95,7 +99,7 @@ class Node(Generic[T]):
             raise TypeError(f"{cls.__qualname__}: a node that adds to _state must say in _varies when a mark cannot")
 
     def __init__(self, upstream: Node[Any] | None = None) -> None:
-        if upstream is not None and not isinstance(upstream, Node):
+        if (upstream is not None or self._reads_upstream) and not isinstance(upstream, Node):
             raise ConfigError(
                 f"{type(self).__name__}: upstream must be a resumable node, got {type(upstream).__name__}"
             )
@@ -479,14 +483,17 @@ class Node(Generic[T]):
         (``mode``), keeping the order. With ``batched``, ``fn`` takes a list of items and returns
         one result per item, in order (a tokenizer's ``encode_batch``, which in Rust runs
         without the GIL, so a thread pool tokenises in parallel); it needs a pool."""
-        if batched and not num_workers:
+        from resumable.ops.parallel_map import MODES, ParallelMap
+
+        pool = ParallelMap.kind  # the options of a map in a pool, checked without workers too (a typo)
+        num_workers = int_option(pool, "num_workers", num_workers, least=0, optional=True) or 0
+        choice_option(pool, "mode", mode, MODES)
+        if flag_option(pool, "batched", batched) and not num_workers:
             raise ConfigError(
                 f"{self.kind}: map(batched=True) maps chunks of items in a pool: give num_workers >= 1 "
                 "(one thread is enough for a function that releases the GIL, such as encode_batch)"
             )
         if num_workers:
-            from resumable.ops.parallel_map import ParallelMap
-
             return ParallelMap(self, fn, num_workers=num_workers, mode=mode, batched=batched)
         return self._serial_map(fn)
 
@@ -520,7 +527,7 @@ class Node(Generic[T]):
     ) -> Node[T]:
         """Keep the items for which ``predicate`` is true, as they stream past. With ``index``,
         scan a random-access upstream once and keep random access (see ``IndexedNode.filter``)."""
-        if index:
+        if flag_option(self.kind, "index", index):
             raise ConfigError(
                 f"{self.kind}: filter(index=True) needs random access; place it before filter, batch and pack"
             )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable, Generic, TypeVar
 
 from resumable.core.node import Node
+from resumable.core.options import flag_option, int_option
 from resumable.errors import ConfigError, StateError
 
 T = TypeVar("T")
@@ -35,12 +36,12 @@ class Batch(Node[Any], Generic[T]):
         collate_fn: Callable[[list[T]], Any] | None = None,
     ) -> None:
         super().__init__(upstream)
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
-            raise ConfigError(f"{self.kind}: batch_size must be a positive int, got {batch_size!r}")
+        batch_size = int_option(self.kind, BATCH_SIZE, batch_size)
+        drop_last = flag_option(self.kind, DROP_LAST, drop_last)
         if collate_fn is not None and not callable(collate_fn):
             raise ConfigError(f"{self.kind}: collate_fn must be callable, got {type(collate_fn).__name__}")
         self.batch_size = batch_size
-        self.drop_last = bool(drop_last)
+        self.drop_last = drop_last
         self.collate_fn = collate_fn
 
     def _set_elastic_option(self, key: str, value: Any, path: str) -> None:

@@ -36,6 +36,7 @@ import numpy as np
 
 from resumable.core.indexed import IndexedNode
 from resumable.core.node import Node
+from resumable.core.options import directory_option, int64_option, int_option
 from resumable.errors import ConfigError, SourceError
 from resumable.ops import disk_cache
 
@@ -238,15 +239,9 @@ class Cache(IndexedNode[T]):
     ) -> None:
         indexed = _check_upstream(upstream)
         super().__init__(indexed)
-        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
-            raise ConfigError(f"{self.kind}: max_bytes must be a non-negative int, got {max_bytes!r}")
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ConfigError(f"{self.kind}: block_size must be a positive int, got {block_size!r}")
-        if directory is not None and not isinstance(directory, (str, os.PathLike)):
-            raise ConfigError(f"{self.kind}: directory must be a path or None, got {type(directory).__name__}")
-        self.directory = None if directory is None else os.path.abspath(os.fspath(directory))
-        self.max_bytes = max_bytes
-        self.block_size = block_size
+        self.directory = directory_option(self.kind, "directory", directory)
+        self.max_bytes = int_option(self.kind, "max_bytes", max_bytes, least=0)
+        self.block_size = int64_option(self.kind, "block_size", block_size)
         self.fingerprint, fingerprinted = fingerprint(indexed)
         self._skips = indexed.leaf.skips_malformed
         self.computed = 0

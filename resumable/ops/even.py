@@ -26,6 +26,7 @@ from typing import Any
 
 from resumable.core.indexed import IndexedNode
 from resumable.core.node import Node
+from resumable.core.options import int_option
 from resumable.core.state import INT64_MAX, is_count, require, require_count
 from resumable.errors import ConfigError, SourceError, StateError
 from resumable.ops.batch import Batch
@@ -189,8 +190,7 @@ class Even(Node[Any]):
 
     def __init__(self, upstream: Node[Any], times: int | None = None, group: Any = None) -> None:
         super().__init__(upstream)
-        if times is not None and (isinstance(times, bool) or not isinstance(times, int) or times <= 0):
-            raise ConfigError(f"{self.kind}: times must be a positive int or None, got {times!r}")
+        times = int_option(self.kind, TIMES, times, optional=True)
         if any(isinstance(node, (Repeat, Even)) for node in upstream._subtree()):
             raise ConfigError(
                 f"{self.kind}: its upstream {upstream!r} repeats already (a Repeat or an Even); drop it: "

@@ -42,6 +42,7 @@ from tqdm import tqdm
 from resumable._worker_signals import init_pool_worker
 from resumable.checkpoint import NO_LOCKS, write_atomically
 from resumable.core.indexed import MAX_CHUNK, IndexedNode
+from resumable.core.options import directory_option, flag_option, int_option
 from resumable.errors import ConfigError, SourceError
 from resumable.ops.cache import _function_fingerprint, fingerprint
 from resumable.sources._sidecar import SidecarWarning
@@ -235,19 +236,12 @@ class IndexedFilter(IndexedNode[T]):
             raise ConfigError(f"{self.kind}: expected a callable predicate, got {type(predicate).__name__}")
         if index_key is not None and not isinstance(index_key, str):
             raise ConfigError(f"{self.kind}: index_key must be a str or None, got {type(index_key).__name__}")
-        if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
-            raise ConfigError(f"{self.kind}: cache_dir must be a path or None, got {type(cache_dir).__name__}")
-        if isinstance(num_proc, bool) or not isinstance(num_proc, int) or num_proc < 0:
-            raise ConfigError(f"{self.kind}: num_proc must be a non-negative int, got {num_proc!r}")
-        for name, flag in (("progress", progress), ("batched", batched)):
-            if not isinstance(flag, bool):
-                raise ConfigError(f"{self.kind}: {name} must be a bool, got {flag!r}")
         self.predicate = predicate
         self.index_key = index_key
-        self.cache_dir = None if cache_dir is None else os.path.abspath(os.fspath(cache_dir))
-        self.num_proc = num_proc
-        self.progress = progress
-        self.batched = batched
+        self.cache_dir = directory_option(self.kind, "cache_dir", cache_dir)
+        self.num_proc = int_option(self.kind, "num_proc", num_proc, least=0)
+        self.progress = flag_option(self.kind, "progress", progress)
+        self.batched = flag_option(self.kind, "batched", batched)
         self.scanned = 0
         """Upstream records this node has run the predicate over (0 when it loaded a sidecar)."""
         self._kept: np.ndarray | None = None

@@ -54,6 +54,7 @@ from typing import Any, Iterator, Mapping, Sequence, TypeVar, cast
 from resumable.core.indexed import IndexedNode
 from resumable.core.keys import RecordKey
 from resumable.core.node import Node
+from resumable.core.options import int_option
 from resumable.core.state import (
     ENDED,
     check_config,
@@ -114,6 +115,7 @@ class Mix(Node[T]):
     """
 
     kind = "Mix"
+    _reads_upstream = False
 
     _last: str | None
     _cached_plan: tuple[list[str], dict[str, float]] | None
@@ -149,8 +151,7 @@ class Mix(Node[T]):
                         "item by item hands each record to one reader only; build one per component (nodes read "
                         "by position, below a shuffle, shard or map of an indexed source, may be shared)"
                     )
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ConfigError(f"{kind}: seed must be a non-negative int, got {seed!r}")
+        seed = int_option(kind, SEED, seed, least=0)
         if on_end not in ON_END:
             raise ConfigError(f"{kind}: unknown on_end {on_end!r}, expected one of {', '.join(map(repr, ON_END))}")
         if schedule not in SCHEDULES:

@@ -35,8 +35,8 @@ import numpy as np
 from resumable._worker_signals import init_pool_worker
 from resumable.core.keys import RecordKey
 from resumable.core.node import Mark, Node
+from resumable.core.options import choice_option, flag_option, int_option
 from resumable.errors import ConfigError, ResumableError
-from resumable.ops.prefetch import check_positive_int
 from resumable.ops.read_ahead import ReadAhead
 
 T = TypeVar("T")
@@ -305,11 +305,9 @@ class ParallelMap(ReadAhead[U]):
         super().__init__(upstream)
         if not callable(fn):
             raise ConfigError(f"{self.kind}: expected a callable, got {type(fn).__name__}")
-        if batched is not False and batched is not True:
-            raise ConfigError(f"{self.kind}: batched must be a bool, got {batched!r}")
-        self.num_workers = check_positive_int(self.kind, NUM_WORKERS, num_workers)
-        if mode not in MODES:
-            raise ConfigError(f"{self.kind}: mode must be one of {MODES}, got {mode!r}")
+        batched = flag_option(self.kind, "batched", batched)
+        self.num_workers = int_option(self.kind, NUM_WORKERS, num_workers)
+        mode = choice_option(self.kind, "mode", mode, MODES)
         if mode == PROCESS:
             try:
                 pickle.dumps(fn)

@@ -16,7 +16,7 @@ from typing import Any, Sequence, TypeVar
 
 from resumable.core.keys import RecordKey
 from resumable.core.node import Mark, Node
-from resumable.errors import ConfigError
+from resumable.core.options import int_option
 from resumable.ops.read_ahead import ReadAhead
 
 T = TypeVar("T")
@@ -34,13 +34,6 @@ FINALIZER_JOIN_TIMEOUT_S = 10.0
 _ITEM = 0
 _ERROR = 1
 _END = 2
-
-
-def check_positive_int(kind: str, name: str, value: Any) -> int:
-    """Return ``value`` if it is a positive int (not a bool), else raise ConfigError."""
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{kind}: {name} must be a positive int, got {value!r}")
-    return value
 
 
 class _Producer:
@@ -120,7 +113,7 @@ class Prefetch(ReadAhead[T]):
 
     def __init__(self, upstream: Node[T], buffer_size: int = 4) -> None:
         super().__init__(upstream)
-        self.buffer_size = check_positive_int(self.kind, BUFFER_SIZE, buffer_size)
+        self.buffer_size = int_option(self.kind, BUFFER_SIZE, buffer_size)
         self._exhausted = False
 
     def _fresh_reader(self) -> None:

@@ -7,6 +7,7 @@ from typing import Any, Sequence, TypeVar
 from resumable.core.indexed import IndexedNode
 from resumable.core.keys import RecordKey
 from resumable.core.node import Node
+from resumable.core.options import int_option
 from resumable.core.state import require, require_count
 from resumable.errors import ConfigError, StateError
 from resumable.ops.batch import Batch
@@ -34,8 +35,7 @@ class Repeat(Node[T]):
 
     def __init__(self, upstream: Node[T], times: int | None = None) -> None:
         super().__init__(upstream)
-        if times is not None and (isinstance(times, bool) or not isinstance(times, int) or times <= 0):
-            raise ConfigError(f"{self.kind}: times must be a positive int or None, got {times!r}")
+        times = int_option(self.kind, TIMES, times, optional=True)
         _refuse_inner_repeat(upstream)
         self.times = times
         self.epochs_done = 0

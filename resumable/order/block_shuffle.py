@@ -28,6 +28,8 @@ from typing import Any, TypeVar, cast
 import numpy as np
 
 from resumable.core.indexed import IndexedNode
+from resumable.core.options import int64_option, int_option, is_int
+from resumable.core.state import INT64_MAX
 from resumable.errors import ConfigError
 from resumable.order.lcg import Permutation, _splitmix64
 
@@ -190,12 +192,8 @@ class BlockShuffle(IndexedNode[T]):
         self, upstream: IndexedNode[T], seed: int = 0, block_size: int | str | None = None, window: int | None = None
     ) -> None:
         super().__init__(upstream)
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ConfigError(f"{self.kind}: seed must be a non-negative int, got {seed!r}")
-        if window is None:
-            window = DEFAULT_WINDOW
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ConfigError(f"{self.kind}: window must be an int >= 1, got {window!r}")
+        seed = int_option(self.kind, "seed", seed, least=0)
+        window = DEFAULT_WINDOW if window is None else int64_option(self.kind, "window", window)
         bounds = None
         if block_size is None or block_size == ROW_GROUP:
             bounds = _natural_bounds(upstream)
@@ -208,8 +206,14 @@ class BlockShuffle(IndexedNode[T]):
                 block_size = DEFAULT_BLOCK_SIZE
             else:
                 block_size = ROW_GROUP
-        elif isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ConfigError(f"{self.kind}: block_size must be an int >= 1 or 'row_group', got {block_size!r}")
+        elif not is_int(block_size) or block_size < 1:
+            raise ConfigError(f"{self.kind}: block_size must be a positive int or 'row_group', got {block_size!r}")
+        else:
+            block_size = int(block_size)
+            if block_size * window > INT64_MAX:  # a window's positions are counted in int64
+                raise ConfigError(
+                    f"{self.kind}: block_size * window must be at most {INT64_MAX:,}, got {block_size} * {window}"
+                )
         self.seed = seed
         self.block_size: int | str = block_size
         self.window = window

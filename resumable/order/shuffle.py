@@ -7,7 +7,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from resumable.core.indexed import IndexedNode
-from resumable.errors import ConfigError
+from resumable.core.options import int_option
 from resumable.order.lcg import Permutation
 
 T = TypeVar("T")
@@ -26,9 +26,7 @@ class Shuffle(IndexedNode[T]):
 
     def __init__(self, upstream: IndexedNode[T], seed: int = 0) -> None:
         super().__init__(upstream)
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ConfigError(f"{self.kind}: seed must be a non-negative int, got {seed!r}")
-        self.seed = seed
+        self.seed = int_option(self.kind, "seed", seed, least=0)
         self._permutation: tuple[int, int, Permutation] | None = None
 
     def __len__(self) -> int:

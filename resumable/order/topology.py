@@ -8,7 +8,9 @@ import os
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
+from resumable.core.options import flag_option, int64_option, is_int
 from resumable.errors import ConfigError
 
 # State keys of a node that splits the epoch over consumers (shard, file-sharded stream).
@@ -107,13 +109,15 @@ def dataloader_worker() -> tuple[int, int]:
     return info.id, info.num_workers
 
 
-def check_rank(rank: int, world_size: int, where: str) -> None:
-    """Raise ConfigError unless ``0 <= rank < world_size``."""
+def check_rank(rank: Any, world_size: Any, where: str) -> tuple[int, int]:
+    """``(rank, world_size)`` as ints, or a ConfigError unless ``0 <= rank < world_size``, with
+    a world size that positions in int64 can count (the shard arithmetic is numpy's)."""
     for name, value in (("rank", rank), ("world_size", world_size)):
-        if isinstance(value, bool) or not isinstance(value, int):
+        if not is_int(value):
             raise ConfigError(f"{where}: {name} must be an int, got {value!r}")
     if world_size < 1 or not 0 <= rank < world_size:
         raise ConfigError(f"{where}: need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+    return int(rank), int64_option(where, "world_size", world_size)
 
 
 class Consumer:
@@ -127,11 +131,10 @@ class Consumer:
     def __init__(self, rank: int | None, world_size: int | None, split_workers: bool, where: str) -> None:
         self._explicit: tuple[int, int] | None = None  # (rank, world_size) when given
         if rank is not None and world_size is not None:
-            check_rank(rank, world_size, where)
-            self._explicit = (rank, world_size)
+            self._explicit = check_rank(rank, world_size, where)
         elif rank is not None or world_size is not None:
             raise ConfigError(f"{where}: give both rank and world_size, or neither")
-        self.split_workers = split_workers
+        self.split_workers = flag_option(where, "split_workers", split_workers)
         self._resolved: tuple[int, Topology] | None = None
         self._pinned: Topology | None = None
 

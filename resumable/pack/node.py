@@ -26,7 +26,8 @@ from typing import Any, Callable, Mapping, Sequence
 from resumable.core.indexed import IndexedNode
 from resumable.core.keys import RecordKey
 from resumable.core.node import Node
-from resumable.core.state import require, require_count, short_repr
+from resumable.core.options import INT64_MIN, choice_option, flag_option, int_option
+from resumable.core.state import INT64_MAX, require, require_count, short_repr
 from resumable.errors import ConfigError, StateError
 from resumable.pack._buffered import BufferedRows
 from resumable.pack._documents import Documents
@@ -56,6 +57,8 @@ from resumable.pack.strategies import STRATEGIES, Packer, make_packer
 DEFAULT_BUFFER_SIZE = 1000
 OVERLONG_POLICIES = ("split", "truncate", "drop")
 POSITION_MODES = ("restart", "continue")
+SEQ_LEN_MAX = 2**31 - 1
+"""The longest row: ``cu_seqlens`` and ``document_ids`` are int32."""
 
 
 @dataclass(frozen=True)
@@ -158,22 +161,18 @@ class Pack(Node[dict[str, Any]]):
     ) -> None:
         super().__init__(upstream)
         kind = self.kind
-        _check_positive_int(kind, SEQ_LEN, seq_len)
-        _check_choice(kind, STRATEGY, strategy, STRATEGIES)
-        _check_choice(kind, OVERLONG, overlong, OVERLONG_POLICIES)
-        _check_choice(kind, SPLIT_POSITIONS, split_positions, POSITION_MODES)
-        if buffer_size is not None:
-            _check_positive_int(kind, BUFFER_SIZE, buffer_size)
-        if max_documents is not None:
-            _check_positive_int(kind, MAX_DOCUMENTS, max_documents)
-        if not isinstance(mask_first_token, bool):
-            raise ConfigError(f"{kind}: mask_first_token must be a bool, got {mask_first_token!r}")
+        seq_len = int_option(kind, SEQ_LEN, seq_len, most=SEQ_LEN_MAX)
+        choice_option(kind, STRATEGY, strategy, STRATEGIES)
+        choice_option(kind, OVERLONG, overlong, OVERLONG_POLICIES)
+        choice_option(kind, SPLIT_POSITIONS, split_positions, POSITION_MODES)
+        buffer_size = int_option(kind, BUFFER_SIZE, buffer_size, optional=True)
+        max_documents = int_option(kind, MAX_DOCUMENTS, max_documents, optional=True)
+        mask_first_token = flag_option(kind, "mask_first_token", mask_first_token)
         if not isinstance(input_field, str):
             raise ConfigError(f"{kind}: input_field must be a str, got {input_field!r}")
         if labels_field is not None and not isinstance(labels_field, str):
             raise ConfigError(f"{kind}: labels_field must be a str or None, got {labels_field!r}")
-        if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int):
-            raise ConfigError(f"{kind}: pad_token_id must be an int, got {pad_token_id!r}")
+        pad_token_id = int_option(kind, "pad_token_id", pad_token_id, least=INT64_MIN, most=INT64_MAX)
         token_pads = _token_fields(kind, token_fields)
         document_names = _names(kind, DOCUMENT_FIELDS, document_fields, [name for name, _ in token_pads])
         if length_fn is not None and not callable(length_fn):
@@ -323,16 +322,6 @@ class Pack(Node[dict[str, Any]]):
         if self.buffer_size is None:
             return PlannedRows.olds_for_children(self, olds, path)
         return olds
-
-
-def _check_positive_int(kind: str, name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{kind}: {name} must be a positive int, got {value!r}")
-
-
-def _check_choice(kind: str, name: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ConfigError(f"{kind}: unknown {name} {value!r}, expected one of {', '.join(map(repr, choices))}")
 
 
 def _names(kind: str, option: str, value: Any, taken: list[str]) -> tuple[str, ...]:

@@ -31,6 +31,7 @@ import numpy as np
 import pyarrow as pa
 import xxhash
 
+from resumable.core.options import directory_option, int_option
 from resumable.errors import ConfigError
 from resumable.sources import _sidecar
 from resumable.sources.chunk_cache import ChunkCache
@@ -70,18 +71,12 @@ class BlockOptions:
         cls, kind: str, block_bytes: int, cache_bytes: int, disk_cache_bytes: int, cache_dir: str | None
     ) -> BlockOptions:
         """The options, or a ``ConfigError`` naming the source and the bad value."""
-        for name, value, least in (
-            ("block_bytes", block_bytes, 1),
-            ("cache_bytes", cache_bytes, 1),
-            ("disk_cache_bytes", disk_cache_bytes, 0),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ConfigError(f"{kind}: {name} must be an int >= {least}, got {value!r}")
+        block_bytes = int_option(kind, "block_bytes", block_bytes)
+        cache_bytes = int_option(kind, "cache_bytes", cache_bytes)
+        disk_cache_bytes = int_option(kind, "disk_cache_bytes", disk_cache_bytes, least=0)
         if cache_bytes < block_bytes:
             raise ConfigError(f"{kind}: cache_bytes ({cache_bytes}) must hold a block ({block_bytes} bytes)")
-        if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
-            raise ConfigError(f"{kind}: cache_dir must be a path, got {cache_dir!r}")
-        return cls(block_bytes, cache_bytes, disk_cache_bytes, None if cache_dir is None else os.fspath(cache_dir))
+        return cls(block_bytes, cache_bytes, disk_cache_bytes, directory_option(kind, "cache_dir", cache_dir))
 
     @property
     def chunks_dir(self) -> str:

@@ -48,6 +48,7 @@ from typing import NamedTuple
 
 import xxhash
 
+from resumable.core.options import is_int
 from resumable.errors import ConfigError
 
 SWEEP_FRACTION = 0.05
@@ -102,13 +103,13 @@ class ChunkCache:
     """
 
     def __init__(self, directory: str | os.PathLike[str], max_bytes: int) -> None:
-        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
+        if not is_int(max_bytes) or max_bytes <= 0:
             raise ConfigError(
                 f"chunk cache {os.fspath(directory)!r}: max_bytes must be a positive int, got {max_bytes!r} "
                 "(to read without a disk cache, build none)"
             )
         self.directory = os.fspath(directory)
-        self.max_bytes = max_bytes
+        self.max_bytes = int(max_bytes)
         self._sweep_every = max(1, int(max_bytes * SWEEP_FRACTION))
         self._lock = threading.Lock()  # counters and the sweep schedule, shared by a process's threads
         self._stats = dict.fromkeys(STATS, 0)

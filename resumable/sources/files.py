@@ -65,13 +65,24 @@ REMEDY = (
 )
 
 
+def path_patterns(paths: Any, kind: str) -> list[str]:
+    """``paths`` (a path or glob, or a list or tuple of them) as a list of strings; anything
+    else (None, a number, bytes, a list holding one) is a ``ConfigError``."""
+    items = [paths] if isinstance(paths, (str, os.PathLike)) else paths
+    if isinstance(items, (list, tuple)):
+        patterns = [os.fspath(item) if isinstance(item, (str, os.PathLike)) else item for item in items]
+        if all(isinstance(pattern, str) for pattern in patterns):
+            return patterns
+    raise ConfigError(f"{kind}: paths must be a path or glob, or a list of them (str or os.PathLike), got {paths!r}")
+
+
 def expand_paths(paths: Paths, kind: str) -> list[str]:
     """Expand globs (sorted, so every process agrees on the order) and check each file exists.
 
     Explicit paths keep the order given; a glob that matches nothing, a missing file or a
     directory raises SourceError naming it.
     """
-    patterns = [os.fspath(paths)] if isinstance(paths, (str, os.PathLike)) else [os.fspath(p) for p in paths]
+    patterns = path_patterns(paths, kind)
     if not patterns:
         raise SourceError(f"{kind}: no paths given")
     files: list[str] = []

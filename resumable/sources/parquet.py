@@ -22,6 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import xxhash
 
+from resumable.core.options import int_option
 from resumable.errors import ConfigError, SourceError
 from resumable.sources.blocks import (
     BLOCK_BYTES,
@@ -108,11 +109,14 @@ class ParquetSource(PathSource[dict[str, Any]]):
     ) -> None:
         super().__init__()
         if columns is not None:
-            if isinstance(columns, str) or not all(isinstance(c, str) for c in columns):
+            if (
+                not isinstance(columns, Sequence)
+                or isinstance(columns, str)
+                or not all(isinstance(c, str) for c in columns)
+            ):
                 raise ConfigError(f"{self.kind}: columns must be a list of column names, got {columns!r}")
             columns = list(columns)
-        if isinstance(cache_row_groups, bool) or not isinstance(cache_row_groups, int) or cache_row_groups < 1:
-            raise ConfigError(f"{self.kind}: cache_row_groups must be an int >= 1, got {cache_row_groups!r}")
+        cache_row_groups = int_option(self.kind, "cache_row_groups", cache_row_groups)
         remote = self._resolve(
             paths, storage_options, filesystem, cache_dir, block_bytes, cache_bytes, disk_cache_bytes
         )

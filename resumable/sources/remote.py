@@ -39,6 +39,7 @@ from resumable.sources.files import (
     Digest,
     Paths,
     expand_paths,
+    path_patterns,
     read_error,
     with_version,
 )
@@ -259,7 +260,7 @@ def resolve(
 ) -> tuple[list[str], Remote | None]:
     """The files of a source and, for remote ones, their ``Remote``: local paths (no URL, no
     ``filesystem``) are expanded as before and get None."""
-    patterns = [os.fspath(paths)] if isinstance(paths, (str, os.PathLike)) else [os.fspath(p) for p in paths]
+    patterns = path_patterns(paths, kind)
     schemes = {match.group(0).lower() for match in map(URL_SCHEME.match, patterns) if match}
     if filesystem is None and not schemes:
         if storage_options is not None:

@@ -23,6 +23,8 @@ class Source(IndexedNode[T]):
     the cursor applies lazily, one record at a time, as the consumer asks for it.
     """
 
+    _reads_upstream = False
+
     def __init__(self) -> None:
         super().__init__(None)
 

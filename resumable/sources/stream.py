@@ -28,6 +28,7 @@ import orjson
 
 from resumable.core.keys import RecordKey, leaf_key
 from resumable.core.node import Node
+from resumable.core.options import int_option
 from resumable.core.state import (
     ENDED,
     check_config,
@@ -87,6 +88,7 @@ class JsonlStream(WatchedIdentity, Node[Any]):
     """
 
     kind = "JsonlStream"
+    _reads_upstream = False
 
     def __init__(
         self,
@@ -103,10 +105,8 @@ class JsonlStream(WatchedIdentity, Node[Any]):
         super().__init__()
         if on_error not in ("raise", "skip"):
             raise ConfigError(f"{self.kind}: on_error must be 'raise' or 'skip', got {on_error!r}")
-        if shuffle_files is not None and (isinstance(shuffle_files, bool) or not isinstance(shuffle_files, int)):
-            raise ConfigError(f"{self.kind}: shuffle_files must be an int seed or None, got {shuffle_files!r}")
-        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
-            raise ConfigError(f"{self.kind}: chunk_bytes must be a positive int, got {chunk_bytes!r}")
+        shuffle_files = int_option(self.kind, "shuffle_files", shuffle_files, least=0, optional=True)
+        chunk_bytes = int_option(self.kind, "chunk_bytes", chunk_bytes)
         self._consumer = Consumer(rank, world_size, split_workers, self.kind)
         self.paths, self._remote = resolve(paths, self.kind, storage_options, filesystem)
         if self._remote is None:

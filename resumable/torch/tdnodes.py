@@ -102,6 +102,7 @@ class FromTorchdata(Node[T]):
     """
 
     kind = "FromTorchdata"
+    _reads_upstream = False
 
     def __init__(self, base_node: BaseNode[T]) -> None:
         if not isinstance(base_node, BaseNode):

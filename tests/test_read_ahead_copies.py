@@ -249,18 +249,20 @@ def check_loader_workers(kind: str, reader: str, context: str, persistent: bool)
         resumed.close()
 
 
-def test_every_read_ahead_node_is_known_to_the_fork_handler() -> None:
-    """The fork handler reaches the nodes through a registry of weak references: a node built,
-    unpickled or copied is in it, and one dropped leaves it."""
-    from resumable.ops import read_ahead
+def test_every_read_ahead_node_and_stream_is_known_to_the_fork_handler() -> None:
+    """The fork handler reaches the read-ahead nodes and the streams (whose open files a child
+    must not share) through one registry of weak references: a node built, unpickled or copied
+    is in it, and one dropped leaves it."""
+    from resumable import _forks
 
     pipe = build("list", "prefetch_over_thread_map")
-    readers = [node for node in pipe._subtree() if isinstance(node, ReadAhead)]
-    duplicate = pickle.loads(pickle.dumps(pipe))
-    copies = [node for node in duplicate._subtree() if isinstance(node, ReadAhead)]
-    assert len(readers) == len(copies) == 2
-    assert all(node in read_ahead._READ_AHEADS for node in readers + copies)
-    count = len(read_ahead._READ_AHEADS)
-    del duplicate, copies
-    assert len(read_ahead._READ_AHEADS) == count - 2
+    stream = stream_source("jsonl_stream", [{"id": i} for i in range(6)])
+    holders = [node for node in pipe._subtree() if isinstance(node, ReadAhead)] + [stream]
+    duplicates = pickle.loads(pickle.dumps((pipe, stream)))
+    copies = [node for node in duplicates[0]._subtree() if isinstance(node, ReadAhead)] + [duplicates[1]]
+    assert len(holders) == len(copies) == 3
+    assert all(node in _forks._LIVE for node in holders + copies)
+    count = len(_forks._LIVE)
+    del duplicates, copies
+    assert len(_forks._LIVE) == count - 3
     pipe.close()

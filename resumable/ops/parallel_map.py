@@ -32,6 +32,7 @@ from typing import Any, Callable, Optional, Sequence, TypeVar, cast
 
 import numpy as np
 
+from resumable._forks import at_fork
 from resumable._worker_signals import init_pool_worker
 from resumable.core.keys import RecordKey
 from resumable.core.node import Mark, Node
@@ -229,7 +230,7 @@ def _forget_the_parents_forkserver() -> None:
             os.close(alive)
 
 
-os.register_at_fork(after_in_child=_forget_the_parents_forkserver)
+at_fork(_forget_the_parents_forkserver)
 
 
 @functools.lru_cache(maxsize=None)

@@ -20,21 +20,18 @@ fork's own DataLoader worker number is not known yet.
 from __future__ import annotations
 
 import contextlib
-import os
 import weakref
 from typing import Any, ClassVar, ContextManager, TypeVar
 
+from resumable._forks import InheritedByForks, Settle, inherited
 from resumable.core.keys import RecordKey
 from resumable.core.node import Mark, Node
 from resumable.order.topology import as_in_parent
 
 T = TypeVar("T")
 
-# Every read-ahead node alive in this process, for the fork handler below.
-_READ_AHEADS: weakref.WeakSet[ReadAhead[Any]] = weakref.WeakSet()
 
-
-class ReadAhead(Node[T]):
+class ReadAhead(Node[T], InheritedByForks):
     """Base of nodes that read their upstream ahead; subclasses implement ``_drop_ahead``."""
 
     upstream: Node[Any]
@@ -45,7 +42,7 @@ class ReadAhead(Node[T]):
     def __init__(self, upstream: Node[Any]) -> None:
         super().__init__(upstream)
         self._fresh_reader()
-        _READ_AHEADS.add(self)
+        inherited(self)
         # Upstream mark and key as of the last item handed out; None: the live upstream's
         # (nothing was read ahead since the last restore or epoch start).
         self._recorded: Mark | None = None
@@ -108,7 +105,22 @@ class ReadAhead(Node[T]):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._fresh_reader()
-        _READ_AHEADS.add(self)
+        inherited(self)
+
+    def _forget_the_parent(self) -> Settle:
+        """In a forked child: the reader stayed with the parent (its thread is not here, its
+        lock may be held, its pool is the parent's), so the node forgets it without touching
+        it; once every node has, the upstream returns to the last item handed out, read as the
+        parent's consumer, before torch tells this process which worker it is."""
+        if self._finalizer is not None:
+            self._finalizer.detach()  # it would stop the parent's reader
+        moved = self._reads_ahead()
+        self._fresh_reader()
+        return self._return_as_in_parent if moved else None
+
+    def _return_as_in_parent(self) -> None:
+        with as_in_parent():
+            self._return_to_record()
 
     # -- epochs and provenance ------------------------------------------------------------------
 
@@ -147,23 +159,3 @@ class ReadAhead(Node[T]):
     def _record_none(self) -> None:
         """Nothing read ahead: the live upstream is the state (after a restore, at an epoch start)."""
         self._recorded, self._recorded_key = None, None
-
-
-def _leave_readers_to_the_parent() -> None:
-    """In a forked child: every read-ahead's reader stayed with the parent (its thread is not
-    here, its lock may be held, its pool is the parent's), so each node forgets its reader
-    without touching it and returns its upstream to the last item it handed out, read as the
-    parent's consumer before torch tells this process which worker it is."""
-    moved = []
-    for node in list(_READ_AHEADS):
-        if node._finalizer is not None:
-            node._finalizer.detach()  # it would stop the parent's reader
-        if node._reads_ahead():
-            moved.append(node)
-        node._fresh_reader()
-    with as_in_parent():
-        for node in moved:
-            node._return_to_record()
-
-
-os.register_at_fork(after_in_child=_leave_readers_to_the_parent)

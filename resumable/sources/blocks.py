@@ -31,6 +31,7 @@ import numpy as np
 import pyarrow as pa
 import xxhash
 
+from resumable._forks import InheritedByForks, Settle, at_fork, inherited
 from resumable.core.options import directory_option, int_option
 from resumable.errors import ConfigError
 from resumable.sources import _sidecar
@@ -86,7 +87,7 @@ class BlockOptions:
         return os.path.join(os.path.expanduser(root), CHUNKS_DIR)
 
 
-class Blocks:
+class Blocks(InheritedByForks):
     """The blocks of one source's remote objects in this process: the memory tier shared by its
     objects, the disk tier, the fetches in flight, and counters of what was read how. Pickles
     empty (DataLoader workers fill their own)."""
@@ -98,7 +99,7 @@ class Blocks:
         self._memory: OrderedDict[tuple[str, int], bytes] = OrderedDict()
         self._inflight: dict[tuple[str, int], Future[dict[int, bytes]]] = {}
         self._readers: weakref.WeakSet[BlockReader] = weakref.WeakSet()
-        _live_blocks.add(self)
+        inherited(self)
         self.disk = ChunkCache(options.chunks_dir, options.disk_cache_bytes) if options.disk_cache_bytes else None
         self.requests = 0
         self.bytes_fetched = 0
@@ -137,7 +138,7 @@ class Blocks:
         while len(self._memory) > self.capacity:
             self._memory.popitem(last=False)
 
-    def _after_fork(self) -> None:
+    def _forget_the_parent(self) -> Settle:
         """In a forked child: no thread of the parent runs here, so its locks may be held for
         ever and its fetches never finish; the parent's open files are not to be shared."""
         self._lock = threading.Lock()
@@ -147,6 +148,7 @@ class Blocks:
         for reader in self._readers:
             reader._handle = None
             reader._open_lock = threading.Lock()
+        return None
 
     def __getstate__(self) -> dict[str, Any]:
         return {"options": self.options, "capacity": self.capacity}
@@ -384,7 +386,6 @@ def _runs(blocks: list[int]) -> list[tuple[int, int]]:
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
-_live_blocks: weakref.WeakSet[Blocks] = weakref.WeakSet()
 
 
 def fetch_pool() -> ThreadPoolExecutor:
@@ -396,13 +397,11 @@ def fetch_pool() -> ThreadPoolExecutor:
         return _pool
 
 
-def _after_fork() -> None:
-    """A forked child (a DataLoader worker) inherits no threads: it starts its own pool, and
-    every ``Blocks`` forgets the fetches and locks of the parent's threads."""
+def _forget_the_parents_pool() -> None:
+    """A forked child (a DataLoader worker) inherits no threads: it starts its own pool (each
+    ``Blocks`` forgets the fetches and locks of the parent's threads itself)."""
     global _pool, _pool_lock
     _pool, _pool_lock = None, threading.Lock()
-    for blocks in list(_live_blocks):
-        blocks._after_fork()
 
 
-os.register_at_fork(after_in_child=_after_fork)
+at_fork(_forget_the_parents_pool)

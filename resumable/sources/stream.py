@@ -26,6 +26,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import orjson
 
+from resumable._forks import InheritedByForks, Settle, inherited
 from resumable.core.keys import RecordKey, leaf_key
 from resumable.core.node import Node
 from resumable.core.options import int_option
@@ -75,7 +76,7 @@ MAX_DEFLATE_RATIO = 1032
 """Deflate expands a compressed byte into at most this many: a bound on a gzip file's content."""
 
 
-class JsonlStream(WatchedIdentity, Node[Any]):
+class JsonlStream(WatchedIdentity, Node[Any], InheritedByForks):
     """Records of JSONL files (``.jsonl`` or ``.jsonl.gz``) read as streams, split by file.
 
     Use it for data that cannot be indexed; ``rs.jsonl`` (indexed: global shuffle, seek-based
@@ -127,7 +128,7 @@ class JsonlStream(WatchedIdentity, Node[Any]):
         self._handle_closer: weakref.finalize[..., JsonlStream] | None = None
         self._last: RecordKey | None = None
         self.skipped = 0
-        _STREAMS.add(self)
+        inherited(self)
 
     @property
     def stats(self) -> dict[str, int]:
@@ -246,9 +247,16 @@ class JsonlStream(WatchedIdentity, Node[Any]):
                 self._handle_closer.detach()
             if self._handle_pid == os.getpid():
                 self._handle.close()
-            else:  # the parent's (see _close_inherited_handles): let go, never close
+            else:  # the parent's (see _forget_the_parent): let go, never close
                 _INHERITED_HANDLES.append(self._handle)
             self._handle, self._handle_closer = None, None
+
+    def _forget_the_parent(self) -> Settle:
+        """In a forked child: an open file shares its offset with the parent's, so the stream
+        lets go of its copy and opens the file again at its next work item's offset when it
+        reads on."""
+        self._close_handle()
+        return None
 
     def _skip_unreadable(self, failure: SourceError) -> None:
         """Count a file whose rest cannot be read (``on_error="skip"``): removed, unreadable, a
@@ -435,25 +443,13 @@ class JsonlStream(WatchedIdentity, Node[Any]):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        _STREAMS.add(self)
+        inherited(self)
 
 
-# Streams alive in this process, whose open files a forked child must not share.
-_STREAMS: weakref.WeakSet[JsonlStream] = weakref.WeakSet()
 # File objects a forked child inherited and let go of. Never closed nor freed: a thread of the
 # parent may have been inside one (a prefetch's readline()) at the fork, and its lock, which no
 # thread here will release, would block the close forever.
 _INHERITED_HANDLES: list[io.BufferedIOBase] = []
-
-
-def _close_inherited_handles() -> None:
-    """In a forked child: an open file shares its offset with the parent's, so each stream lets
-    go of its copy and opens the file again at its next work item's offset when it reads on."""
-    for stream in list(_STREAMS):
-        stream._close_handle()
-
-
-os.register_at_fork(after_in_child=_close_inherited_handles)
 
 
 def _without_bom(first_line: bytes) -> bytes:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import secrets
@@ -34,7 +35,10 @@ def write_atomically(path: str | os.PathLike[str], write: Callable[[IO[bytes]], 
 
     Missing directories are created. The file's mode is what the umask leaves of 0o666.
     """
-    target = os.path.abspath(os.fspath(path))
+    given = os.fsdecode(os.fspath(path))  # bytes paths too, decoded as the OS does
+    if given.endswith((os.sep, os.altsep or os.sep)):  # names a directory, as open(path, "w") says
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), given)
+    target = os.path.abspath(given)
     directory = os.path.dirname(target)
     _make_directories(directory)
     handle, temp = _claim_temp(directory, os.path.basename(target))
@@ -59,35 +63,67 @@ def _claim_temp(directory: str, name: str) -> tuple[int, str]:
     nobody belongs to a writer that died, or to one that has not locked it yet: either way it
     is removed, and that writer, seeing its file gone from the path, starts again.
     """
-    temp = os.path.join(directory, f".{name}{TEMP_SUFFIX}")
+    temp = os.path.join(directory, _temp_name(directory, name, ""))
     while True:
         try:
             handle, created = _create(temp), True
         except FileExistsError:
-            try:
-                handle, created = os.open(temp, os.O_RDONLY | os.O_CLOEXEC), False  # only to lock it
+            try:  # only to lock it; a symbolic link is never a save's temporary
+                handle, created = os.open(temp, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW), False
             except FileNotFoundError:
                 continue  # renamed into place or removed meanwhile
+            except OSError as error:
+                if error.errno != errno.ELOOP:
+                    raise
+                os.unlink(temp)  # the link itself (dangling or not), never what it names
+                continue
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX)  # waits while another save of this target writes
-        except BaseException as error:
-            os.close(handle)
-            if not isinstance(error, OSError) or error.errno not in NO_LOCKS:
-                raise
-            if created:
-                os.unlink(temp)
-            return _claim_unique_temp(directory, name)
-        if _is_at(handle, temp):
-            if created:
-                return handle, temp
-            os.unlink(temp)  # left by a writer that died: a live one would hold the lock
+            if not _lock(handle):  # a file system without locks
+                os.close(handle)
+                if created:
+                    os.unlink(temp)
+                return _claim_unique_temp(directory, name)
+            if _is_at(handle, temp):
+                if created:
+                    return handle, temp
+                os.unlink(temp)  # left by a writer that died: a live one would hold the lock
+        except BaseException:
+            os.close(handle)  # never left open and locked: the next save of this target would wait for ever
+            raise
         os.close(handle)
+
+
+def _lock(handle: int) -> bool:
+    """Lock ``handle`` for this save, waiting while another save of the target writes; False
+    where the file system has no locks."""
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+    except OSError as error:
+        if error.errno not in NO_LOCKS:
+            raise
+        return False
+    return True
+
+
+def _temp_name(directory: str, name: str, unique: str) -> str:
+    """The name of a temporary for the target ``name`` (``unique`` after it, if any): hidden
+    beside it, or, where that would be longer than the directory allows, named by a digest of
+    ``name`` (the same for every save of the target)."""
+    tail = f".{unique}{TEMP_SUFFIX}" if unique else TEMP_SUFFIX
+    temp = f".{name}{tail}"
+    try:
+        longest = os.pathconf(directory, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        longest = 255
+    if len(os.fsencode(temp)) <= longest:
+        return temp
+    return f".{hashlib.sha256(os.fsencode(name)).hexdigest()[:32]}{tail}"
 
 
 def _claim_unique_temp(directory: str, name: str) -> tuple[int, str]:
     """A temporary nobody else can name, for file systems without locks (never swept)."""
     while True:
-        temp = os.path.join(directory, f".{name}.{secrets.token_hex(4)}{TEMP_SUFFIX}")
+        temp = os.path.join(directory, _temp_name(directory, name, secrets.token_hex(4)))
         try:
             return _create(temp), temp
         except FileExistsError:
@@ -131,19 +167,25 @@ def _fsync_directory(directory: str) -> None:
 
 def save_state(state: dict[str, Any], path: str | os.PathLike[str]) -> None:
     """Write a pipeline or loader state as JSON, atomically (directories created as needed)."""
-    check_json(state, os.fspath(path))
+    where = os.fsdecode(os.fspath(path))
+    if not isinstance(state, dict):  # what load_state would refuse is never written over a good file
+        raise StateError(f"{where}: a state is a JSON object, got {type(state).__name__}")
+    check_json(state, where)
     payload = json.dumps(state, separators=(",", ":")).encode()
     write_atomically(path, lambda out: out.write(payload))
 
 
 def load_state(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read a state saved by ``save_state`` (plain JSON: nothing is unpickled or run)."""
+    if not isinstance(path, (str, bytes, os.PathLike)):  # an int would be read, and closed, as a descriptor
+        raise TypeError(f"load_state: expected a path, got {type(path).__name__}")
+    where = os.fsdecode(os.fspath(path))
     try:
         with open(path, "rb") as handle:
             state = json.loads(handle.read())
     except (OSError, ValueError, RecursionError) as error:
-        raise StateError(f"{os.fspath(path)}: cannot read a state: {type(error).__name__}: {error}") from error
+        raise StateError(f"{where}: cannot read a state: {type(error).__name__}: {error}") from error
     if not isinstance(state, dict):
-        raise StateError(f"{os.fspath(path)}: a state is a JSON object, got {type(state).__name__}")
-    check_json(state, os.fspath(path))
+        raise StateError(f"{where}: a state is a JSON object, got {type(state).__name__}")
+    check_json(state, where)
     return state

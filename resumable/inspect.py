@@ -43,6 +43,7 @@ from resumable.order.shard import NEXT_REMAP, REMAP
 from resumable.pack._buffered import listed
 from resumable.pack._entries import BASE_PROGRESS, INHERITED, OPEN, OPEN_SIZES, READY, READY_SIZES, REFS
 from resumable.pack.node import Pack
+from resumable.sources._line_scan import UTF8_BOM
 from resumable.sources.files import FILES, LEGACY_FINGERPRINT_LENGTH, MTIME_NS, NAME, SIZE
 
 CURSOR_KEYS = (EPOCH, POSITION, LENGTH)
@@ -54,6 +55,10 @@ UNIX_EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
 SHOWN_CHARACTERS = 80
 
 PipelineFactory = Callable[[], Node[Any]]
+
+JSON_SNIFF_BYTES = 4096
+"""How much of a file ``load_any`` reads to tell JSON from a torch checkpoint."""
+JSON_WHITESPACE = b" \t\r\n"
 
 
 @dataclass
@@ -75,16 +80,21 @@ def load_any(path: str) -> list[tuple[str, Any]]:
     if os.path.isdir(path):
         if os.path.exists(os.path.join(path, ".metadata")):
             return [(path, _load_dcp(path))]
-        names = sorted(n for n in os.listdir(path) if n.endswith((".json", ".pt")))
+        try:
+            listed = os.listdir(path)
+        except OSError as error:
+            raise StateError(f"{path}: cannot list: {error}") from error
+        names = sorted(n for n in listed if n.endswith((".json", ".pt")))
         if not names:
             raise StateError(f"{path}: no .json or .pt state files in this directory")
         return [item for name in names for item in load_any(os.path.join(path, name))]
     try:
         with open(path, "rb") as handle:
-            head = handle.read(1)
+            head = handle.read(JSON_SNIFF_BYTES)
     except OSError as error:
         raise StateError(f"{path}: cannot read: {error}") from error
-    if head in (b"{", b"["):
+    first = head.removeprefix(UTF8_BOM).lstrip(JSON_WHITESPACE)[:1]
+    if first in (b"{", b"[", b""):  # JSON as load_state reads it (a BOM, whitespace), or nothing but that
         with open(path, "rb") as handle:
             text = handle.read()
         try:
@@ -100,19 +110,26 @@ def load_any(path: str) -> list[tuple[str, Any]]:
 
 
 def _load_dcp(path: str) -> Any:
+    """A ``torch.distributed.checkpoint`` directory's contents, its metadata checked first
+    (``read_metadata``: a crafted one runs no code); the data files are read by
+    ``torch.load(weights_only=True)``."""
     import torch
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from resumable.torch.distributed import read_metadata
 
     with tempfile.TemporaryDirectory() as tmp:
         target = os.path.join(tmp, "state.pt")
         try:
+            read_metadata(path)
             dcp_to_torch_save(path, target)
             return torch.load(target, weights_only=True, map_location="cpu")
-        except Exception as error:  # as above, for a damaged torch.distributed.checkpoint directory
+        except (Exception, CheckpointException) as error:  # torch's is a BaseException
             raise _unreadable(path, "cannot read this torch.distributed.checkpoint", error) from error
 
 
-def _unreadable(path: str, what: str, error: Exception) -> StateError:
+def _unreadable(path: str, what: str, error: BaseException) -> StateError:
     first_line = (str(error).strip().splitlines() or [""])[0]
     return StateError(f"{path}: {what} ({type(error).__name__}: {first_line:.200})")
 

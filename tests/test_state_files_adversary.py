@@ -37,6 +37,7 @@ from hypothesis import strategies as st
 import resumable as rs
 import resumable.torch as rst
 from resumable.cli import main
+from resumable.sources._sidecar import SidecarWarning
 from tests.resume import take
 
 REPO = Path(__file__).resolve().parents[1]
@@ -278,7 +279,6 @@ def test_load_state_reads_through_a_symlink_and_any_path_type(tmp_path: Path) ->
         assert rs.load_state(as_given) == state
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: rs.load_state(an int) reads the caller's file descriptor and closes it")
 def test_load_state_given_a_file_descriptor_leaves_it_open(tmp_path: Path) -> None:
     rs.save_state({"kind": "Batch"}, tmp_path / "s.json")
     with open(tmp_path / "s.json", "rb") as handle:
@@ -576,10 +576,6 @@ def test_a_state_that_json_cannot_write_keeps_the_previous_file(tmp_path: Path) 
     assert hidden(tmp_path) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: save_state accepts a non-dict state and overwrites a good file with one load_state refuses",
-)
 @pytest.mark.parametrize("bad", [None, [1, 2], "state", 5], ids=["None", "list", "str", "int"])
 def test_save_state_refuses_what_load_state_would_refuse(tmp_path: Path, bad: Any) -> None:
     target = tmp_path / "state.json"
@@ -589,10 +585,6 @@ def test_save_state_refuses_what_load_state_would_refuse(tmp_path: Path, bad: An
     assert rs.load_state(target) == {"step": 1}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a file name of 247-255 bytes, valid for open(), cannot be saved: its temporary's name is too long",
-)
 @pytest.mark.parametrize("saver", ["save_state", "torch"])
 def test_the_longest_valid_file_names_can_be_saved(tmp_path: Path, saver: str) -> None:
     name = "s" * 250
@@ -605,9 +597,6 @@ def test_the_longest_valid_file_names_can_be_saved(tmp_path: Path, saver: str) -
         assert rst.load(tmp_path / name) == {"step": 2}
 
 
-@pytest.mark.xfail(
-    strict=True, reason="BUG: save_state with a bytes path creates the missing directories, then fails with TypeError"
-)
 def test_save_state_with_a_bytes_path_saves_or_touches_nothing(tmp_path: Path) -> None:
     target = tmp_path / "new" / "dir" / "state.json"
     try:
@@ -618,7 +607,6 @@ def test_save_state_with_a_bytes_path_saves_or_touches_nothing(tmp_path: Path) -
         assert rs.load_state(target) == {"step": 1}
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: save_state('name/') silently writes a file named 'name'")
 def test_a_target_with_a_trailing_slash_is_not_written_as_a_file(tmp_path: Path) -> None:
     with pytest.raises(OSError):
         rs.save_state({"step": 1}, str(tmp_path / "ckpt") + os.sep)
@@ -634,7 +622,6 @@ print(rs.load_state(sys.argv[1])["step"])
 """
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a dangling symlink at .NAME.partial makes save_state spin forever")
 def test_a_dangling_symlink_in_place_of_the_temporary_does_not_hang_the_save(tmp_path: Path) -> None:
     target = tmp_path / "state.json"
     rs.save_state({"step": 1}, target)
@@ -672,10 +659,6 @@ for attempt in range(3):
         print(type(error).__name__, os.path.basename(sys.argv[1]) + ".partial" in str(error), flush=True)
 print("descriptors leaked:", len(os.listdir("/proc/self/fd")) - descriptors)
 """
-STUCK_TEMPORARY = (
-    "BUG: a stale .NAME.partial that cannot be removed fails the save and leaks its locked descriptor: "
-    "the next save of NAME in that process waits forever"
-)
 
 
 def save_three_times(target: Path, prefix: tuple[str, ...] = (), env: dict[str, str] | None = None) -> list[str]:
@@ -695,7 +678,6 @@ def save_three_times(target: Path, prefix: tuple[str, ...] = (), env: dict[str, 
     return done.stdout.splitlines()
 
 
-@pytest.mark.xfail(strict=True, reason=STUCK_TEMPORARY)
 def test_a_directory_in_place_of_the_temporary_fails_every_save_without_hanging(tmp_path: Path) -> None:
     target = tmp_path / "state.json"
     rs.save_state({"step": 1}, target)
@@ -704,7 +686,6 @@ def test_a_directory_in_place_of_the_temporary_fails_every_save_without_hanging(
     assert rs.load_state(target) == {"step": 1}
 
 
-@pytest.mark.xfail(strict=True, reason=STUCK_TEMPORARY)
 def test_a_stale_temporary_in_a_read_only_directory_fails_every_save_without_hanging(
     as_other_user: tuple[str, ...], open_dir: Path
 ) -> None:
@@ -779,7 +760,6 @@ def test_inspect_an_unreadable_file_as_one_line(as_other_user: tuple[str, ...], 
     assert_one_line_error(done.returncode, done.stdout, done.stderr, str(unreadable), "Permission denied")
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: inspect of an unreadable directory ends in a PermissionError traceback")
 def test_inspect_an_unreadable_directory_as_one_line(as_other_user: tuple[str, ...], open_dir: Path) -> None:
     states = open_dir / "states"
     states.mkdir()
@@ -920,10 +900,6 @@ def test_inspect_from_the_shell_exits_2_with_one_line_and_no_traceback(tmp_path:
     assert_one_line_error(done.returncode, done.stdout, done.stderr, str(path))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: inspect refuses a valid JSON state with leading whitespace or a BOM, which load_state reads",
-)
 @pytest.mark.parametrize("prefix", [b"\n", b"  ", b"\xef\xbb\xbf"], ids=["newline", "spaces", "BOM"])
 def test_inspect_reads_every_state_file_load_state_reads(data: dict[str, Any], tmp_path: Path, prefix: bytes) -> None:
     path = tmp_path / "state.json"
@@ -986,10 +962,6 @@ def damaged_checkpoints(directory: Path) -> dict[str, Path]:
     return {"junk .metadata": junk, "empty .metadata": empty, "a truncated .distcp": cut}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a damaged torch.distributed.checkpoint directory escapes inspect as a CheckpointException traceback",
-)
 @pytest.mark.parametrize("name", ["junk .metadata", "empty .metadata", "a truncated .distcp"])
 def test_inspect_a_damaged_distributed_checkpoint_as_one_line(tmp_path: Path, name: str) -> None:
     path = damaged_checkpoints(tmp_path)[name]
@@ -1010,10 +982,6 @@ class OpensAFile:
         return (open, (str(self.path), "w"))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: inspect of a torch.distributed.checkpoint directory unpickles its .metadata: a crafted one runs code",
-)
 def test_inspect_runs_no_code_from_a_crafted_distributed_checkpoint(tmp_path: Path) -> None:
     crafted = tmp_path / "crafted"
     crafted.mkdir()
@@ -1021,6 +989,20 @@ def test_inspect_runs_no_code_from_a_crafted_distributed_checkpoint(tmp_path: Pa
     (crafted / ".metadata").write_bytes(pickle.dumps(OpensAFile(marker)))
     with contextlib.suppress(BaseException):  # how it fails is another test's matter
         inspect(str(crafted))
+    assert not marker.exists()
+
+
+def test_load_all_ranks_runs_no_code_from_a_crafted_distributed_checkpoint(tmp_path: Path) -> None:
+    """The same metadata given to ``rs.torch.load_all_ranks`` (an elastic resume's reader):
+    refused with a StateError naming the file, before torch would unpickle it."""
+    import resumable.torch as rst
+
+    crafted = tmp_path / "crafted"
+    crafted.mkdir()
+    marker = tmp_path / "code ran"
+    (crafted / ".metadata").write_bytes(pickle.dumps(OpensAFile(marker)))
+    with pytest.raises(rs.StateError, match=r"\.metadata: cannot read a checkpoint's metadata"):
+        rst.load_all_ranks(crafted)
     assert not marker.exists()
 
 
@@ -1088,7 +1070,8 @@ def test_index_with_a_file_in_the_way_of_the_cache_dir_still_counts(tmp_path: Pa
     (tmp_path / "a.jsonl").write_text('{"a": 1}\n{"a": 2}\n')
     (tmp_path / "in the way").write_text("a file")
     (tmp_path / "a.jsonl.rsidx").mkdir()  # nor can the sidecar go beside the data
-    code, out, err = index(str(tmp_path / "a.jsonl"), "--cache-dir", str(tmp_path / "in the way" / "cache"))
+    with pytest.warns(SidecarWarning, match="keeping it in memory"):
+        code, out, err = index(str(tmp_path / "a.jsonl"), "--cache-dir", str(tmp_path / "in the way" / "cache"))
     assert code == 0 and "Traceback" not in err
     assert counts(out) == {str(tmp_path / "a.jsonl"): 2, "total": 2}
     assert (tmp_path / "in the way").read_text() == "a file"

@@ -10,10 +10,25 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 from typing import Any, Protocol
 
 from resumable.errors import StateError
 from resumable.order.topology import distributed_rank
+
+METADATA_FILE = ".metadata"
+METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+"""The module whose classes a checkpoint's metadata makes."""
+METADATA_GLOBALS = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+}
+"""Other globals it may make: the file storage's record of each item, layouts by name, paths."""
 
 
 class SupportsState(Protocol):
@@ -48,10 +63,9 @@ def load_all_ranks(checkpoint_id: str | os.PathLike[str], key: str = "data") -> 
     """Every old rank's state from a ``torch.distributed.checkpoint`` saved with
     ``{key: PerRank(...)}``, in rank order: what ``Loader.load_state_dict`` takes to resume
     on another number of ranks. Collective when a process group is initialised."""
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-    metadata = FileSystemReader(checkpoint_id).read_metadata()
+    metadata = read_metadata(checkpoint_id)
     prefix = f"{key}.{rank_key(0)[:-1]}"
     ranks = sorted(int(name[len(prefix) :]) for name in metadata.state_dict_metadata if name.startswith(prefix))
     if ranks != list(range(len(ranks))) or not ranks:
@@ -59,6 +73,38 @@ def load_all_ranks(checkpoint_id: str | os.PathLike[str], key: str = "data") -> 
     target: dict[str, Any] = {key: {rank_key(rank): "" for rank in ranks}}
     dcp_load(target, checkpoint_id=checkpoint_id)
     return [_decode(target[key][rank_key(rank)], f"PerRank: checkpoint {checkpoint_id} rank {rank}") for rank in ranks]
+
+
+def read_metadata(checkpoint_id: str | os.PathLike[str]) -> Any:
+    """The ``Metadata`` of a ``torch.distributed.checkpoint`` directory, read by an unpickler
+    that makes only what such metadata holds (``MetadataUnpickler``). torch reads the same file
+    with plain ``pickle.load``, which a crafted file turns into running its code; reading it
+    here first refuses such a file before torch loads it. StateError if it cannot be read."""
+    path = os.path.join(os.fsdecode(os.fspath(checkpoint_id)), METADATA_FILE)
+    try:
+        with open(path, "rb") as handle:
+            return MetadataUnpickler(handle).load()
+    except Exception as error:  # noqa: BLE001 - an unpickler fails in many ways on a damaged file
+        raise StateError(f"{path}: cannot read a checkpoint's metadata ({type(error).__name__}: {error})") from error
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Makes only the classes of ``torch.distributed.checkpoint.metadata``, torch's sizes,
+    dtypes, layouts and memory formats, and ``METADATA_GLOBALS``; any other global is refused
+    (``pickle.UnpicklingError``), so nothing else can be called."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        import torch
+
+        if (module, name) in METADATA_GLOBALS:
+            return super().find_class(module, name)
+        if module in (METADATA_MODULE, "torch") and "." not in name:
+            found = super().find_class(module, name)
+            if module == METADATA_MODULE and isinstance(found, type) and found.__module__ == module:
+                return found  # its dataclasses and enums
+            if found is torch.Size or isinstance(found, (torch.dtype, torch.layout, torch.memory_format)):
+                return found
+        raise pickle.UnpicklingError(f"refused to make {module}.{name}: not part of a checkpoint's metadata")
 
 
 def _decode(encoded: str, where: str) -> Any:

@@ -171,7 +171,11 @@ def save_state(state: dict[str, Any], path: str | os.PathLike[str]) -> None:
     if not isinstance(state, dict):  # what load_state would refuse is never written over a good file
         raise StateError(f"{where}: a state is a JSON object, got {type(state).__name__}")
     check_json(state, where)
-    payload = json.dumps(state, separators=(",", ":")).encode()
+    try:  # NaN and Infinity are not JSON (other readers of the file would refuse it), nor is an
+        # int past Python's digit limit for str()
+        payload = json.dumps(state, separators=(",", ":"), allow_nan=False).encode()
+    except ValueError as error:
+        raise StateError(f"{where}: JSON cannot write this state ({error})") from error
     write_atomically(path, lambda out: out.write(payload))
 
 

@@ -570,7 +570,7 @@ def test_a_state_that_json_cannot_write_keeps_the_previous_file(tmp_path: Path) 
     for bad in ({"step": (1, 2)}, {1: 2}, {"step": object()}, {"step": np.int64(3)}, {"step": torch.tensor(1)}):
         with pytest.raises(rs.StateError):
             rs.save_state(bad, target)  # type: ignore[arg-type]
-    with pytest.raises(ValueError):  # an int past Python's digit limit
+    with pytest.raises(rs.StateError, match="JSON cannot write"):  # an int past Python's digit limit
         rs.save_state({"step": 10**5000}, target)
     assert rs.load_state(target) == {"step": 1}
     assert hidden(tmp_path) == []
@@ -1115,3 +1115,15 @@ def test_index_a_read_only_data_directory(as_other_user: tuple[str, ...], open_d
     assert done.returncode == 0 and counts(done.stdout) == expected, done.stderr
     assert "SidecarWarning" in done.stderr and "Traceback" not in done.stderr
     assert os.listdir(data_dir) == ["a.jsonl"] and os.listdir(locked) == []
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
+def test_save_state_refuses_what_json_cannot_write_and_keeps_the_previous_file(tmp_path: Path, value: float) -> None:
+    """NaN and the infinities are not JSON (json.dumps writes them as bare words other readers
+    refuse): the save is a StateError, and the previous file stays."""
+    target = tmp_path / "state.json"
+    rs.save_state({"step": 1}, target)
+    with pytest.raises(rs.StateError, match="JSON cannot write this state"):
+        rs.save_state({"step": 2, "loss": value}, target)
+    assert rs.load_state(target) == {"step": 1}
+    assert sorted(os.listdir(tmp_path)) == ["state.json"]

@@ -150,7 +150,7 @@ def test_dataset_adapter_with_a_plain_dataloader_and_set_epoch() -> None:
 
 
 def test_invalid_arguments() -> None:
-    with pytest.raises(rs.ConfigError, match="num_workers must be an int >= 0, got -1"):
+    with pytest.raises(rs.ConfigError, match="num_workers must be a non-negative int, got -1"):
         Loader(build, num_workers=-1)
     for every in (0, None, 2.0, True):
         with pytest.raises(rs.ConfigError, match="snapshot_every_n_steps must be an int >= 1"):

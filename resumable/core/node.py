@@ -136,9 +136,7 @@ class Node(Generic[T]):
 
     def start_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` from its beginning (what a fresh DataLoader worker does)."""
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            raise ConfigError(f"{self.kind}: epoch must be a non-negative int, got {epoch!r}")
-        self._begin_epoch(epoch)
+        self._begin_epoch(int_option(self.kind, "epoch", epoch, least=0))
 
     def _begin_epoch(self, epoch: int | None) -> None:
         """Reset this node and its upstream to the start of ``epoch`` (None: the next one)."""

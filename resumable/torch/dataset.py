@@ -10,6 +10,7 @@ import orjson
 from torch.utils.data import IterableDataset, default_convert, get_worker_info
 
 from resumable.core.node import Node
+from resumable.core.options import int_option
 from resumable.errors import ConfigError, StateError
 from resumable.loader_state import PASS_EPOCH, PIPELINE
 from resumable.ops.even import StoreRef, default_store, inherit_store, new_namespace
@@ -36,9 +37,10 @@ class WorkerIterator:
     The state also names the epoch this pass started (``epoch``), so that a Loader state
     can check that every worker's pipeline state belongs to the epoch the Loader records."""
 
-    def __init__(self, pipeline: Node[Any], epoch: int) -> None:
+    def __init__(self, pipeline: Node[Any], epoch: int, restored: Callable[[int], None] | None = None) -> None:
         self.pipeline = pipeline
         self.epoch = epoch
+        self._restored = restored  # told the epoch of a loaded pass (its dataset counts the next from it)
 
     def __iter__(self) -> WorkerIterator:
         return self
@@ -64,6 +66,8 @@ class WorkerIterator:
             raise StateError(f"PipelineDataset: the pipeline state is not valid JSON ({error})") from error
         self.pipeline.set_state(state)
         self.epoch = epoch
+        if self._restored is not None:
+            self._restored(epoch)
 
 
 class BatchWithState(NamedTuple):
@@ -142,7 +146,7 @@ class PipelineDataset(IterableDataset[Any]):
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch the next ``iter()`` starts (in every worker); also re-reads the rank."""
-        self.epoch = epoch
+        self.epoch = int_option("PipelineDataset", "epoch", epoch, least=0)
         self._told += 1
         self.rank = distributed_rank()
         self.store = self._store()
@@ -177,8 +181,14 @@ class PipelineDataset(IterableDataset[Any]):
             info = get_worker_info()
             pipe.set_state(json.loads(self.rescaled[info.id if info is not None else 0]))
             self.rescaled = None  # later epochs start whole
-        self.iterator = WorkerIterator(pipe, epoch)
+        self.iterator = WorkerIterator(pipe, epoch, self._restored_pass)
         return self.iterator
+
+    def _restored_pass(self, epoch: int) -> None:
+        """A state loaded into this process's iterator (torchdata's restore) continues a pass of
+        ``epoch``: the next ``iter()`` here starts the epoch after it."""
+        pid, told, _ = cast("tuple[int, int, int]", self._started)  # set by the iter() that built the iterator
+        self._started = (pid, told, epoch)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

@@ -54,7 +54,7 @@ class PerRank:
     def load_state_dict(self, state_dict: dict[str, str]) -> None:
         rank, world_size = distributed_rank()
         key = rank_key(rank)
-        if not isinstance(state_dict.get(key), str):
+        if not isinstance(state_dict, dict) or not isinstance(state_dict.get(key), str):
             raise StateError(f"PerRank: the checkpoint has no state for rank {rank} of {world_size}")
         self.stateful.load_state_dict(_decode(state_dict[key], f"PerRank: rank {rank} of {world_size}"))
 
@@ -67,7 +67,14 @@ def load_all_ranks(checkpoint_id: str | os.PathLike[str], key: str = "data") -> 
 
     metadata = read_metadata(checkpoint_id)
     prefix = f"{key}.{rank_key(0)[:-1]}"
-    ranks = sorted(int(name[len(prefix) :]) for name in metadata.state_dict_metadata if name.startswith(prefix))
+    entries = [name[len(prefix) :] for name in metadata.state_dict_metadata if name.startswith(prefix)]
+    stray = [entry for entry in entries if not (entry.isascii() and entry.isdigit())]
+    if stray:
+        raise StateError(
+            f"PerRank: checkpoint {checkpoint_id} holds {prefix}{stray[0]} under {key!r}: not one JSON string per "
+            "rank, as PerRank saves them"
+        )
+    ranks = sorted(int(entry) for entry in entries)
     if ranks != list(range(len(ranks))) or not ranks:
         raise StateError(f"PerRank: checkpoint {checkpoint_id} holds ranks {ranks} under {key!r}, not 0..n-1")
     target: dict[str, Any] = {key: {rank_key(rank): "" for rank in ranks}}
@@ -107,8 +114,12 @@ class MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refused to make {module}.{name}: not part of a checkpoint's metadata")
 
 
-def _decode(encoded: str, where: str) -> Any:
-    """A state stored as a JSON string; StateError if the string is damaged."""
+def _decode(encoded: Any, where: str) -> Any:
+    """A state stored as a JSON string; StateError if it is damaged or not a string."""
+    if not isinstance(encoded, str):
+        raise StateError(
+            f"{where}: expected the state as a JSON string (saved by PerRank), got {type(encoded).__name__}"
+        )
     try:
         return json.loads(encoded)
     except (ValueError, RecursionError) as error:

@@ -6,6 +6,9 @@ import atexit
 import copy
 import functools
 import json
+import math
+import numbers
+import threading
 import warnings
 import weakref
 from typing import Any, Callable, Sequence, cast
@@ -13,6 +16,7 @@ from typing import Any, Callable, Sequence, cast
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from resumable._worker_signals import init_worker
+from resumable.core.options import flag_option, int_option
 from resumable.core.state import check_json
 from resumable.errors import ConfigError, StateError
 from resumable.loader_state import (
@@ -85,9 +89,18 @@ class Loader(StatefulDataLoader):  # type: ignore[misc]  # torchdata is untyped 
         workers_ignore_sigterm: bool = True,
         snapshot_every_n_steps: int = EVERY_BATCH,
     ) -> None:
-        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-            raise ConfigError(f"Loader: num_workers must be an int >= 0, got {num_workers!r}")
-        _check_worker_options(num_workers, collate_fn, worker_init_fn, timeout, prefetch_factor)
+        num_workers = int_option(LOADER_KIND, "num_workers", num_workers, least=0)
+        timeout, prefetch_factor = _check_worker_options(
+            num_workers, collate_fn, worker_init_fn, timeout, prefetch_factor
+        )
+        pin_memory, persistent_workers, workers_ignore_sigterm = (
+            flag_option(LOADER_KIND, name, flag)
+            for name, flag in (
+                ("pin_memory", pin_memory),
+                ("persistent_workers", persistent_workers),
+                ("workers_ignore_sigterm", workers_ignore_sigterm),
+            )
+        )
         _check_snapshot_every(snapshot_every_n_steps)
         dataset = pipeline if isinstance(pipeline, PipelineDataset) else PipelineDataset(pipeline)
         if num_workers:  # each batch comes with its state (_torchdata._MultiProcessIterator)
@@ -305,27 +318,33 @@ class Loader(StatefulDataLoader):  # type: ignore[misc]  # torchdata is untyped 
         self._epoch, self._next_iter_advances, self._loaded = epoch, next_iter_advances, loaded
 
 
+LOADER_KIND = "Loader"
+"""How errors about the Loader's own options name it."""
 FIXED_OPTIONS = frozenset(
-    {"num_workers", "collate_fn", "worker_init_fn", "timeout", "prefetch_factor", "multiprocessing_context"}
+    {"num_workers", "collate_fn", "worker_init_fn", "timeout", "prefetch_factor", "multiprocessing_context", "in_order"}
 )
 """Options a built Loader refuses to change (torch itself guards ``batch_size``, ``sampler``...)."""
 
 
 def _check_worker_options(
     num_workers: int, collate_fn: Any, worker_init_fn: Any, timeout: Any, prefetch_factor: Any
-) -> None:
-    """ConfigError for options that torch would only refuse at the first ``iter()``, deep in an
-    iterator or a worker (a bare assertion, a call of something not callable)."""
+) -> tuple[float, int | None]:
+    """``(timeout, prefetch_factor)`` as torch takes them, or a ConfigError for options that
+    torch would only refuse at the first ``iter()``, deep in an iterator or a worker (a bare
+    assertion, a call of something not callable, a wait longer than a lock can wait)."""
     for name, function in (("collate_fn", collate_fn), ("worker_init_fn", worker_init_fn)):
         if function is not None and not callable(function):
             raise ConfigError(f"Loader: {name} must be callable or None, got {function!r}")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
-        raise ConfigError(f"Loader: timeout must be a number of seconds >= 0, got {timeout!r}")
-    if timeout and not num_workers:
+    seconds = float(timeout) if isinstance(timeout, numbers.Real) and not isinstance(timeout, bool) else math.nan
+    if not 0 <= seconds <= threading.TIMEOUT_MAX:
+        raise ConfigError(
+            f"Loader: timeout must be a number of seconds from 0 to {threading.TIMEOUT_MAX:.0f}, got {timeout!r}"
+        )
+    if seconds and not num_workers:
         raise ConfigError(f"Loader: timeout={timeout!r} waits for workers; with num_workers=0 there are none")
-    if prefetch_factor is not None and num_workers:
-        if isinstance(prefetch_factor, bool) or not isinstance(prefetch_factor, int) or prefetch_factor < 1:
-            raise ConfigError(f"Loader: prefetch_factor must be an int >= 1 or None, got {prefetch_factor!r}")
+    if num_workers:
+        prefetch_factor = int_option(LOADER_KIND, "prefetch_factor", prefetch_factor, optional=True)
+    return seconds, prefetch_factor
 
 
 def _check_snapshot_every(every: Any) -> None:

@@ -145,6 +145,10 @@ def rescaled_states(pipelines: Sequence[Node[Any]], old_states: Sequence[OldStat
     if not pipelines:
         return []
     kind = pipelines[0].kind
+    if not isinstance(old_states, (list, tuple)):  # a dict or its text would be read entry by entry
+        raise StateError(
+            f"{kind}: expected a list of every old consumer's state, in order, got {type(old_states).__name__}"
+        )
     if not old_states:
         raise StateError(f"{kind}: no old states to rescale from")
     topologies = [_topology(pipeline) for pipeline in pipelines]

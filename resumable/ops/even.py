@@ -344,6 +344,11 @@ class Even(Node[Any]):
         self._quota, self._yielded = quota, yielded
         self._carry = carry
         self._counted, self._started = counted, started
+        if quota == 0 and counted == 0:
+            # Rescaled after every old rank had finished this epoch (``_rescale``): what remains
+            # of the upstream epoch, now loaded, is the old ranks' carry, counted already. So it
+            # is carried into the next epoch, with the next upstream epoch, as it would have been.
+            self._counted, self._carry = 1, len(self.upstream)
 
     def _rescale(self, olds: list[dict[str, Any]], path: str, consumer: int, num_consumers: int) -> dict[str, Any]:
         """A fresh agreement on the new ranks in the old ranks' epoch: the rescaled upstream's

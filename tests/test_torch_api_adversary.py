@@ -133,10 +133,14 @@ def test_set_epoch_picks_the_epoch_in_every_worker_mode(workers: int, persistent
     for epoch in (2, 0, 2, 2):
         dataset.set_epoch(epoch)
         seen.append([ints(b) for b in loader])
-    assert seen[0] == seen[2] == seen[3] != seen[1]
+    # Dropped before any assertion: a failing one keeps this frame, and the loader's persistent
+    # workers would be shut down by the cyclic collector later, 5 s a worker (torch's own wait).
+    del loader
     fresh_dataset = rst.PipelineDataset(numbers)
     fresh_dataset.set_epoch(2)
-    assert [ints(b) for b in plain_loader(DataLoader, workers, persistent, fresh_dataset)] == seen[0]
+    fresh = [ints(b) for b in plain_loader(DataLoader, workers, persistent, fresh_dataset)]
+    assert seen[0] == seen[2] == seen[3] != seen[1]
+    assert fresh == seen[0]
     assert all(flat(epoch) == list(range(RECORDS)) for epoch in seen)
 
 
@@ -549,7 +553,7 @@ def from_parallel_mapper(method: str) -> rs.Node:
 def test_from_torchdata_over_a_parallel_mapper_resumes_exactly(method: str) -> None:
     build = lambda: from_parallel_mapper(method)  # noqa: E731
     total = 12  # two passes of 5 batches and two more
-    for k in (1, 5, 6) if method == "process" else (0, 1, 4, 5, 6, 10):  # mid, at the pass's end, the next
+    for k in (1, 5, 6):  # mid, at the pass's end, the next
         check_resume(build, k, total)
 
 

@@ -12,7 +12,6 @@ Loader broke its next ``iter()``: all are ``rs.ConfigError``s where they are giv
 
 from __future__ import annotations
 
-import gc
 import itertools
 import json
 import multiprocessing
@@ -26,6 +25,7 @@ import torch
 
 import resumable as rs
 from resumable.torch import Loader
+from tests.watching import error_of
 
 RECORDS = 23
 BATCH = 2
@@ -44,21 +44,6 @@ def records_of(batch: Any) -> list[int]:
 
 def saved(loader: Loader) -> dict[str, Any]:
     return json.loads(json.dumps(loader.state_dict()))
-
-
-def error_of(action: Callable[[], None]) -> BaseException | None:
-    """The exception ``action`` raises, or None. Half-built torchdata iterators are collected
-    here, inside the test: their ``__del__`` fails (``_shutdown`` was never set), and run later
-    it lands in pytest's own traceback formatting."""
-    try:
-        action()
-    except Exception as caught:  # noqa: BLE001  # which type is the point of the test
-        error: BaseException | None = caught
-        error.__traceback__ = None
-    else:
-        error = None
-    gc.collect()
-    return error
 
 
 def two_epochs(make: Callable[[], Loader]) -> list[list[list[int]]]:

@@ -15,7 +15,6 @@ at the start, the middle, the last item and after the end; misuse is a typed ``C
 from __future__ import annotations
 
 import copy
-import gc
 import json
 import os
 import warnings
@@ -35,6 +34,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 import resumable as rs
 import resumable.torch as rst
 from tests.resume import check_resume, roundtrip, take
+from tests.watching import error_of
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:This DataLoader will create"),
@@ -61,19 +61,6 @@ def passes(loader: Iterable[Any], count: int) -> list[list[list[int]]]:
 
 def flat(epoch: list[list[int]]) -> list[int]:
     return sorted(x for batch in epoch for x in batch)
-
-
-def error_of(action: Callable[[], Any]) -> BaseException | None:
-    """The exception ``action`` raises, or None; the collector runs here, inside the test."""
-    try:
-        action()
-    except Exception as caught:  # noqa: BLE001  # which type is the point of the test
-        error: BaseException | None = caught
-        error.__traceback__ = None
-    else:
-        error = None
-    gc.collect()
-    return error
 
 
 # -- PipelineDataset with a plain DataLoader / StatefulDataLoader --------------------------------

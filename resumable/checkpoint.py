@@ -78,12 +78,8 @@ def _claim_temp(directory: str, name: str) -> tuple[int, str]:
                 os.unlink(temp)  # the link itself (dangling or not), never what it names
                 continue
         try:
-            if not _lock(handle):  # a file system without locks
-                os.close(handle)
-                if created:
-                    os.unlink(temp)
-                return _claim_unique_temp(directory, name)
-            if _is_at(handle, temp):
+            locked = _lock(handle)
+            if locked and _is_at(handle, temp):
                 if created:
                     return handle, temp
                 os.unlink(temp)  # left by a writer that died: a live one would hold the lock
@@ -91,6 +87,10 @@ def _claim_temp(directory: str, name: str) -> tuple[int, str]:
             os.close(handle)  # never left open and locked: the next save of this target would wait for ever
             raise
         os.close(handle)
+        if not locked:  # a file system without locks
+            if created:
+                os.unlink(temp)
+            return _claim_unique_temp(directory, name)
 
 
 def _lock(handle: int) -> bool:

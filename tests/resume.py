@@ -116,6 +116,30 @@ def loader_batches(loader: Any, stop: int | None = None) -> tuple[list[list[int]
     return seen, None
 
 
+def loader_head(loader: Any, stop: int, count: int, convert: Callable[[Any], Any]) -> list[Any]:
+    """The first ``stop`` batches of a loader whose epoch holds ``count``, converted: up to the
+    epoch's end, then its StopIteration (checked) once ``stop`` reaches ``count``, then the first
+    batch of the next epoch when ``stop`` passes it."""
+    taken = []
+    iterator = iter(loader)
+    for _ in range(min(stop, count)):
+        taken.append(convert(next(iterator)))
+    if stop >= count:
+        assert next(iterator, "ended") == "ended"
+    if stop > count:
+        taken.append(convert(next(iter(loader))))
+    return taken
+
+
+def loader_rest(loader: Any, stop: int, count: int, convert: Callable[[Any], Any]) -> list[Any]:
+    """What a loader resumed after ``loader_head(..., stop, count, ...)`` yields until the end of
+    the epoch after the first: the rest of it, and the next epoch whole when it was within it."""
+    rest = [convert(batch) for batch in loader]
+    if stop < count:
+        rest += [convert(batch) for batch in loader]
+    return rest
+
+
 def row_lists(row: dict[str, Any]) -> dict[str, list[Any]]:
     """A packed row (or any dict of arrays) as plain lists, to compare with ``==``."""
     return {name: np.asarray(value).tolist() for name, value in row.items()}

@@ -25,6 +25,7 @@ import torch
 
 import resumable as rs
 from resumable.torch import Loader
+from tests.resume import loader_head, loader_rest
 from tests.watching import error_of
 
 RECORDS = 23
@@ -61,21 +62,11 @@ def check_exact_resume(make: Callable[[], Loader]) -> None:
     stream = expected[0] + expected[1]
     for stop in sorted({0, 1, count // 2, count - 1, count, count + 1}):
         with make() as loader:
-            taken: list[list[int]] = []
-            iterator = iter(loader)
-            for _ in range(min(stop, count)):
-                taken.append(records_of(next(iterator)))
-            if stop >= count:
-                assert next(iterator, "ended") == "ended"
-            if stop > count:
-                iterator = iter(loader)
-                taken.append(records_of(next(iterator)))
+            taken = loader_head(loader, stop, count, records_of)
             state = saved(loader)
         with make() as resumed:
             resumed.load_state_dict(state)
-            rest = [records_of(batch) for batch in resumed]
-            if stop < count:  # then epoch 1 afresh
-                rest += [records_of(batch) for batch in resumed]
+            rest = loader_rest(resumed, stop, count, records_of)
         assert taken + rest == stream, f"resumed after {stop} batches"
 
 

@@ -33,7 +33,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 import resumable as rs
 import resumable.torch as rst
-from tests.resume import check_resume, roundtrip, take
+from tests.resume import check_resume, loader_head, loader_rest, roundtrip, take
 from tests.watching import error_of
 
 pytestmark = [
@@ -652,23 +652,13 @@ def test_a_loader_state_through_a_torch_checkpoint_file_resumes_at_every_boundar
     model = torch.nn.Linear(2, 1)
     for stop in (0, count // 2, count - 1, count, count + 1):
         with rst.Loader(numbers, num_workers=workers) as loader:
-            taken: list[list[int]] = []
-            iterator = iter(loader)
-            for _ in range(min(stop, count)):
-                taken.append(ints(next(iterator)))
-            if stop >= count:
-                assert next(iterator, "ended") == "ended"
-            if stop > count:
-                iterator = iter(loader)
-                taken.append(ints(next(iterator)))
+            taken = loader_head(loader, stop, count, ints)
             rst.save({"model": model.state_dict(), "data": loader.state_dict()}, tmp_path / "ckpt" / "c.pt")
         checkpoint = rst.load(tmp_path / "ckpt" / "c.pt")
         assert torch.equal(checkpoint["model"]["weight"], model.weight.detach())
         with rst.Loader(numbers, num_workers=workers) as resumed:
             resumed.load_state_dict(checkpoint["data"])
-            rest = [ints(b) for b in resumed]
-            if stop < count:
-                rest += [ints(b) for b in resumed]
+            rest = loader_rest(resumed, stop, count, ints)
         assert taken + rest == stream, f"resumed after {stop} batches"
 
 

@@ -261,7 +261,7 @@ def test_a_numpy_float_timeout_is_taken() -> None:
         assert flat([ints(b) for b in loader]) == list(range(RECORDS))
 
 
-@pytest.mark.parametrize("timeout", [float("inf"), 1e10])
+@pytest.mark.parametrize("timeout", [float("inf"), 1e10, 10**400], ids=["inf", "1e10", "int past floats"])
 def test_a_timeout_torch_cannot_wait_is_a_config_error(timeout: float) -> None:
     loader: list[Any] = []
 

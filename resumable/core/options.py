@@ -9,6 +9,8 @@ the node and the option when the node is built, not an error at its first item.
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 from typing import Any, Sequence, TypeGuard, overload
 
@@ -54,6 +56,19 @@ def int_option(
 def int64_option(kind: str, name: str, value: Any, *, least: int = 1) -> int:
     """``int_option`` for a value that numpy arrays hold or count (at most ``INT64_MAX``)."""
     return int_option(kind, name, value, least=least, most=INT64_MAX)
+
+
+def finite_float(value: Any) -> float | None:
+    """``value`` as a float if it is a finite real number (Python's or numpy's, not a bool),
+    else None: NaN, an infinity, or an int beyond the largest float (which ``float()`` refuses
+    with an OverflowError)."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return None
+    try:
+        converted = float(value)
+    except OverflowError:
+        return None
+    return converted if math.isfinite(converted) else None
 
 
 def flag_option(kind: str, name: str, value: Any) -> bool:

@@ -47,14 +47,12 @@ packer (or any buffer that keeps references) may follow a mix.
 
 from __future__ import annotations
 
-import math
-import numbers
 from typing import Any, Iterator, Mapping, Sequence, TypeVar, cast
 
 from resumable.core.indexed import IndexedNode
 from resumable.core.keys import RecordKey
 from resumable.core.node import Node
-from resumable.core.options import int_option
+from resumable.core.options import finite_float, int_option
 from resumable.core.state import (
     ENDED,
     check_config,
@@ -186,7 +184,7 @@ class Mix(Node[T]):
         checked: dict[str, float] = {}
         for name in self.names:
             weight = weights[name]
-            value = _finite(weight) if isinstance(weight, numbers.Real) and not isinstance(weight, bool) else None
+            value = finite_float(weight)
             if value is None:
                 raise ConfigError(f"{kind}[{name}]: weight must be a finite number, got {weight!r}")
             if value < 0:
@@ -415,7 +413,9 @@ class Mix(Node[T]):
         counts = self._per_name(state, COUNTS, int, path)
         if any(count < 0 for count in counts.values()) or sum(counts.values()) != self._step:
             raise StateError(f"{path}: state counts {counts!r} do not add up to step {self._step}")
-        credits = {name: _finite(value) for name, value in self._per_name(state, CREDITS, (int, float), path).items()}
+        credits = {
+            name: finite_float(value) for name, value in self._per_name(state, CREDITS, (int, float), path).items()
+        }
         if any(value is None for value in credits.values()):
             raise StateError(f"{path}: state credits {short_repr(state[CREDITS])} are not finite")
         restarts = self._per_name(state, RESTARTS, int, path)
@@ -472,13 +472,3 @@ def mix(
 ) -> Mix[Any]:
     """Interleave named pipelines by weight, deterministically and resumably (see ``Mix``)."""
     return Mix(components, weights=weights, seed=seed, on_end=on_end, schedule=schedule)
-
-
-def _finite(value: numbers.Real) -> float | None:
-    """``value`` as a float, or None if it is not finite as one (NaN, infinite, or an int
-    beyond the largest float, which ``float()`` refuses)."""
-    try:
-        converted = float(value)
-    except OverflowError:
-        return None
-    return converted if math.isfinite(converted) else None

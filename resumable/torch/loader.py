@@ -6,8 +6,6 @@ import atexit
 import copy
 import functools
 import json
-import math
-import numbers
 import threading
 import warnings
 import weakref
@@ -16,7 +14,7 @@ from typing import Any, Callable, Sequence, cast
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from resumable._worker_signals import init_worker
-from resumable.core.options import flag_option, int_option
+from resumable.core.options import finite_float, flag_option, int_option
 from resumable.core.state import check_json
 from resumable.errors import ConfigError, StateError
 from resumable.loader_state import (
@@ -335,8 +333,8 @@ def _check_worker_options(
     for name, function in (("collate_fn", collate_fn), ("worker_init_fn", worker_init_fn)):
         if function is not None and not callable(function):
             raise ConfigError(f"Loader: {name} must be callable or None, got {function!r}")
-    seconds = float(timeout) if isinstance(timeout, numbers.Real) and not isinstance(timeout, bool) else math.nan
-    if not 0 <= seconds <= threading.TIMEOUT_MAX:
+    seconds = finite_float(timeout)
+    if seconds is None or not 0 <= seconds <= threading.TIMEOUT_MAX:
         raise ConfigError(
             f"Loader: timeout must be a number of seconds from 0 to {threading.TIMEOUT_MAX:.0f}, got {timeout!r}"
         )

@@ -353,7 +353,9 @@ class Even(Node[Any]):
     def _rescale(self, olds: list[dict[str, Any]], path: str, consumer: int, num_consumers: int) -> dict[str, Any]:
         """A fresh agreement on the new ranks in the old ranks' epoch: the rescaled upstream's
         length is what remains for this consumer, so nothing is counted or carried yet. An
-        epoch every old rank had finished stays finished."""
+        epoch every old rank had finished stays finished (quota 0, nothing counted), and what
+        remains is then the old carry: ``_restore`` counts it as this consumer's carry once the
+        rescaled upstream, whose length only it knows, is loaded."""
         state = self._fresh_rescaled(olds, path)
         epochs = {require_count(old, EPOCH, path) for old in olds}
         if len(epochs) != 1:

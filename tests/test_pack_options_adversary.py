@@ -8,7 +8,8 @@ accounted for once; the counters (``pack.stats``) against the rows actually hand
 ids of every numpy dtype and of odd Python types; key options naming missing fields or fields of
 another type; exact resume with a map before and a batch after over lists, JSONL and Parquet and
 in ``rs.torch.Loader``; hand-corrupted states refused with ``rs.StateError`` only, leaving the
-pipeline as it was. Bugs are kept as strict xfails."""
+pipeline as it was. The five bugs it found are mended (pad values a field's dtype cannot hold, a
+first_fit tree sized by buffer_size, numpy pad values, null labels, stride keys from pending_keys)."""
 
 from __future__ import annotations
 
@@ -378,7 +379,6 @@ def test_ids_past_int32_and_negative_ones_survive_jsonl_and_parquet_and_resume(t
         ({"input_field": "text"}, {"text": "some words"}, "field 'text' must be a 1-d sequence of integer ids"),
         ({"labels_field": "target"}, {"input_ids": [1, 2], "target": "ab"}, "field 'target' must be a 1-d"),
         ({"labels_field": "target"}, {"input_ids": [1, 2], "target": [1.0, 2.0]}, "field 'target' must be a 1-d"),
-        ({"labels_field": "target"}, {"input_ids": [1, 2], "target": None}, "field 'target' must be a 1-d"),
         ({"labels_field": "target"}, {"input_ids": [1, 2], "target": [1, 2, 3]}, "has 3 'target' for 2 'input_ids'"),
         ({"token_fields": ["w"]}, {"input_ids": [1, 2]}, "has no 'w' field"),
         ({"token_fields": ["w"]}, {"input_ids": [1, 2], "w": "ab"}, "token field 'w' must be a 1-d"),
@@ -423,12 +423,6 @@ def test_labels_from_another_field_or_none_and_records_with_and_without_labels()
 # -- payload pad values ----------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a token field's pad value the field's dtype cannot hold is cast silently (0.5 -> 0 in an int "
-    "field, 7 -> True in a bool field, 1e10 -> inf in float16) where -1 in uint8 is a SourceError; the padding "
-    "should hold the pad value or the packer should refuse it",
-)
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.parametrize(
     "values, pad",
@@ -515,11 +509,6 @@ def test_a_long_row_of_one_token_documents_has_every_boundary() -> None:
     assert all(row["cu_seqlens"].shape == (1002,) for row in rows)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: first_fit allocates its segment tree for buffer_size up front: buffer_size=2**45 raises "
-    "MemoryError and 2**62 OverflowError when built, where best_fit/bfd take any size as a bound",
-)
 @pytest.mark.parametrize("buffer_size", [2**45, 2**62, 2**63])
 def test_first_fit_takes_a_buffer_size_far_past_the_data_as_a_bound(buffer_size: int) -> None:
     docs = corpus([3, 5, 2, 7, 1])
@@ -850,12 +839,6 @@ def test_a_span_beyond_its_record_is_refused_when_due_and_the_row_stays_due(stra
         assert str(error.value).startswith("Pack")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a token field's pad value given as a numpy scalar is refused when it is an integer, float32 or "
-    "bool (ConfigError 'expected an int, a float or a bool') and kept as numpy.float64 inside the state when it "
-    "is a float64, where other options take numpy scalars and save plain JSON types",
-)
 @pytest.mark.parametrize(
     "pad",
     [np.int64(3), np.uint8(3), np.bool_(True), np.float32(0.5), np.float64(0.5)],
@@ -918,12 +901,6 @@ def test_any_options_give_consistent_rows_and_resume_exactly(
 # -- what documentation promises about fields and keys ----------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a null labels value (how Parquet/Arrow/JSONL leave a row's labels out: pretraining rows "
-    "mixed with SFT ones) is a SourceError 'must be a 1-d sequence of integer ids'; docs: a record without "
-    "labels gets its token ids as labels",
-)
 @pytest.mark.parametrize("kind", ["parquet", "jsonl"])
 def test_a_null_labels_value_falls_back_to_the_token_ids(kind: str, tmp_path: Path) -> None:
     records = [
@@ -957,17 +934,8 @@ def held_documents(pipe: rs.Node[Any], stream: list[int]) -> set[tuple[int, int]
 @pytest.mark.parametrize("shard", [False, True])
 @pytest.mark.parametrize(("strategy", "buffer_size"), [("greedy", None), ("first_fit", 3), ("best_fit", 3)])
 def test_pending_keys_are_the_epoch_and_record_of_every_document_held(
-    strategy: str, buffer_size: int | None, shard: bool, request: pytest.FixtureRequest
+    strategy: str, buffer_size: int | None, shard: bool
 ) -> None:
-    if shard:
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                reason="BUG: below a .shard(), pack.pending_keys() gives (Stride(consumer, consumers), epoch, "
-                "position in the stride) where docs/packing.md and the docstring promise (epoch, record), as "
-                "whole-epoch bfd and an unsharded packer give",
-            )
-        )
     docs = corpus([3, 5, 9, 2, 7, 1, 4, 6, 12, 3] * 2)
 
     def upstream() -> rs.Node[Any]:

@@ -166,6 +166,15 @@ def test_first_fit_renumbers_slots_without_changing_the_order() -> None:
     assert run(FirstFit(SEQ_LEN, 3), lengths) == first_fit_by_scan(lengths, SEQ_LEN, 3, None)
 
 
+def test_first_fit_tree_grows_with_the_open_rows_not_the_buffer_size() -> None:
+    """Hundreds of rows open at once (pieces over half a row each, then small ones that fill
+    the oldest first) double the slot tree several times; the result still equals the scan,
+    and a buffer_size far past any memory builds at once (the tree follows the open rows)."""
+    lengths = [SEQ_LEN // 2 + 1 + i % 3 for i in range(700)] + [1, 2, 3] * 300
+    assert run(FirstFit(SEQ_LEN, 600), lengths) == first_fit_by_scan(lengths, SEQ_LEN, 600, None)
+    assert run(FirstFit(SEQ_LEN, 2**62), lengths[:50]) == first_fit_by_scan(lengths[:50], SEQ_LEN, 2**62, None)
+
+
 # -- best-fit-decreasing and the best_fit rounds ----------------------------------------------
 
 

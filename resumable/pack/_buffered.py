@@ -389,8 +389,9 @@ class BufferedRows:
     # -- what is held ------------------------------------------------------------------------
 
     def pending_keys(self) -> list[RecordKey]:
-        """The key of every document held, once each: the records a restore fetches again."""
-        return list(dict.fromkeys(held.key for held in self._buffered()))
+        """The key of every document held, once each, as its origin (``origin_key``): the
+        records a restore fetches again."""
+        return list(dict.fromkeys(origin_key(self._upstream, held.key) for held in self._buffered()))
 
     def _buffered(self) -> Iterator[Piece]:
         pieces = self._pieces
@@ -749,6 +750,20 @@ def _reads_streams(upstream: Node[Any]) -> bool:
 
 PASS_KEYS = (Filter, Map, Repeat, ReadAhead)
 """Nodes whose items carry their upstream's keys unchanged (``fetch_many`` passes them on)."""
+
+
+def origin_key(upstream: Node[Any], key: RecordKey) -> RecordKey:
+    """``key`` as its record's origin (``core.keys``): a stride key ``(Stride(c, C), epoch, k)``
+    as ``(epoch, leaf index)`` of the record at that position, behind the names of the mix
+    components it came through; other keys as they are."""
+    node: Node[Any] | None = upstream
+    while isinstance(node, PASS_KEYS):
+        node = node.upstream
+    if isinstance(node, Mix) and len(key) > 2 and key[0] in node.components:
+        return (key[0], *origin_key(node.components[key[0]], key[1:]))
+    if isinstance(node, IndexedNode) and len(key) == 3 and isinstance(key[0], Stride):
+        return (key[1], node._leaf_records([key])[0])
+    return key
 
 
 def key_problem(upstream: Node[Any], key: RecordKey) -> str | None:

@@ -79,8 +79,9 @@ class Documents:
         tokens = self._ids(record[field], key, field)
         labels_field = self.labels_field
         labels = None
-        if labels_field is not None and labels_field in record:
-            labels = self._ids(record[labels_field], key, labels_field)
+        # a null is a missing field: Parquet and Arrow rows without labels beside rows with them
+        if labels_field is not None and (given := record.get(labels_field)) is not None:
+            labels = self._ids(given, key, labels_field)
             self._check_length(labels, len(tokens), key, labels_field)
         if not (self.token_fields or self.document_fields or self.length_fn):
             return Document(tokens, labels)

@@ -23,6 +23,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
+import numpy as np
+
 from resumable.core.indexed import IndexedNode
 from resumable.core.keys import RecordKey
 from resumable.core.node import Node
@@ -344,8 +346,14 @@ def _token_fields(kind: str, value: Any) -> tuple[tuple[str, PadValue], ...]:
     if not isinstance(value, Mapping):
         return tuple((name, 0) for name in _names(kind, TOKEN_FIELDS, value, []))
     names = _names(kind, TOKEN_FIELDS, list(value), [])
-    for name in names:
-        pad = value[name]
-        if not isinstance(pad, (int, float)) or (isinstance(pad, float) and not math.isfinite(pad)):
-            raise ConfigError(f"{kind}: token field {name!r} pads with {pad!r}; expected an int, a float or a bool")
-    return tuple((name, value[name]) for name in names)
+    return tuple((name, _pad_value(kind, name, value[name])) for name in names)
+
+
+def _pad_value(kind: str, name: str, pad: Any) -> PadValue:
+    """A token field's pad value as the plain int, float or bool it holds (numpy scalars too,
+    so the state stays JSON); a NaN or an infinity is no pad."""
+    if isinstance(pad, (np.integer, np.floating, np.bool_)):
+        pad = pad.item()
+    if not isinstance(pad, (int, float)) or (isinstance(pad, float) and not math.isfinite(pad)):
+        raise ConfigError(f"{kind}: token field {name!r} pads with {pad!r}; expected an int, a float or a bool")
+    return pad

@@ -195,12 +195,7 @@ class RowFormat:
         for column, (name, pad) in enumerate(self.token_fields):
             arrays = [document.fields[column] for document, _, _ in segments]
             dtype = np.result_type(*arrays)
-            try:
-                values = np.full(self.seq_len, pad, dtype=dtype)
-            except (OverflowError, ValueError) as exc:
-                raise SourceError(
-                    f"Pack: token field {name!r} of dtype {dtype} cannot hold its pad value {pad!r}"
-                ) from exc
+            values = _filled(self.seq_len, pad, dtype, name)
             for array, (_, start, end), at in zip(arrays, segments, starts):
                 values[at : at + end - start] = array[start:end]
             payloads[name] = values
@@ -210,6 +205,23 @@ class RowFormat:
                 for (document, start, _), at in zip(segments, starts)
             ]
         return payloads
+
+
+def _filled(size: int, pad: PadValue, dtype: np.dtype[Any], name: str) -> np.ndarray:
+    """``size`` copies of token field ``name``'s pad value in the field's dtype, or a
+    ``SourceError`` if the dtype cannot hold it: an integer or bool field takes only a value it
+    holds exactly (0.5 is no int, 7 no bool), a float field any value short of its overflow (0.1
+    rounds in float32 as every float does)."""
+    try:
+        with np.errstate(over="ignore", invalid="ignore"):
+            values = np.full(size, pad, dtype=dtype)
+        held = values[0]
+        fits = bool(np.isfinite(held) if np.issubdtype(dtype, np.inexact) else held == pad)
+    except (OverflowError, ValueError, TypeError):
+        fits = False
+    if not fits:
+        raise SourceError(f"Pack: token field {name!r} of dtype {dtype} cannot hold its pad value {pad!r}")
+    return values
 
 
 def collate_rows(rows: Sequence[Mapping[str, Any]], as_torch: bool = False, flatten: bool = False) -> dict[str, Any]:

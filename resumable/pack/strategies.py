@@ -38,6 +38,8 @@ Group = Sequence[tuple[int, int]]
 
 STRATEGIES = ("greedy", "first_fit", "best_fit", "bfd")
 
+# first_fit: the slots its tree starts with (it doubles as open rows need more).
+FIRST_FIT_SLOTS = 64
 # best_fit: a buffered piece that has waited this many planning rounds leaves at the next one.
 MAX_ROUNDS = 4
 # The whole-row items that left are dropped from the front of their list once they are this
@@ -271,21 +273,20 @@ class FirstFit(Packer):
     more than ``buffer_size`` pieces, the oldest open row is closed. Full rows close at once.
 
     Open rows sit in slots numbered in opening order; a max-segment-tree over the slots'
-    remaining capacities finds the leftmost slot with room in O(log buffer_size). Slots are
-    renumbered (order kept) when they run out, which amortises to O(1) per row. Open groups
-    are the open rows, oldest first.
+    remaining capacities finds the leftmost slot with room in O(log open rows). Slots are
+    renumbered (order kept) when they run out, the tree doubling when the open rows fill half
+    of it, which amortises to O(1) per row: the tree grows with the rows actually open, not
+    with ``buffer_size`` (a bound, which may be huge). Open groups are the open rows, oldest
+    first.
     """
 
     def __init__(self, seq_len: int, buffer_size: int, max_items: int | None = None) -> None:
         super().__init__(seq_len, max_items, _check_buffer(buffer_size))
         self.buffer_size = buffer_size
-        size = 1
-        while size < 2 * (buffer_size + 1):  # open rows never exceed buffer_size + 1
-            size *= 2
-        self._size = size
         self._clear()
 
     def _clear(self) -> None:
+        self._size = FIRST_FIT_SLOTS
         self._tree = [-1] * (2 * self._size)  # -1: an empty slot fits nothing
         self._rows: OrderedDict[int, tuple[Row, int]] = OrderedDict()  # slot -> (items, capacity)
         self._next_slot = 0
@@ -341,6 +342,8 @@ class FirstFit(Packer):
 
     def _renumber(self) -> None:
         rows = list(self._rows.values())
+        if 2 * len(rows) > self._size:
+            self._size *= 2
         self._tree = [-1] * (2 * self._size)
         self._rows = OrderedDict()
         self._next_slot = 0

@@ -99,11 +99,6 @@ def test_seeds_of_other_types_or_negative_are_config_errors_at_construction(how:
 
 
 @pytest.mark.parametrize("how", sorted(SHUFFLES))
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a seed >= 2**64 is accepted but only its low 64 bits key the order (seed=2**64 shuffles "
-    "exactly like seed=0, 2**64+5 like 5); it should be refused with ConfigError or key the order whole",
-)
 def test_a_seed_beyond_64_bits_is_refused_or_is_its_own_shuffle(how: str) -> None:
     shuffle = SHUFFLES[how]
     for small in (0, 5):
@@ -201,12 +196,6 @@ def test_block_size_times_window_past_int64_is_a_config_error_when_both_are_give
         numbers(10).shuffle(1, block_size=2**62, window=2)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: .shuffle(seed, window=2**62) without block_size (default 1024-record blocks) is accepted, "
-    "then the first next() raises a bare OverflowError (1024 * window > int64 in block_shuffle.BlockLayout.take); "
-    "the block_size * window check is skipped for the default block size: should be a ConfigError at construction",
-)
 @pytest.mark.parametrize("window", [2**53, 2**62, 2**63 - 1])
 def test_a_huge_window_with_the_default_block_size_is_refused_or_works(window: int) -> None:
     try:
@@ -810,13 +799,6 @@ def test_elastic_rescale_of_a_shuffle_after_a_shard_sees_every_record_once() -> 
             assert _rescale_once(functools.partial(make, seed, n), n) == list(range(n)), (make.__name__, seed)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: the second elastic rescale in a process of a shard().shuffle(seed, block_size, window) with "
-    "another seed but the same stride length loses and repeats records: orders._layout (lru_cache) shares one "
-    "BlockLayout whose window-permutation cache is keyed (epoch, window) without the seed, so the old "
-    "consumers' orders are computed with the first seed's windows",
-)
 def test_elastic_rescales_of_two_block_shuffled_pipelines_in_one_process_each_see_every_record_once() -> None:
     """As a process restoring two such pipelines does (two mix components, two jobs' data in one
     evaluation process): the first rescale with seed 1, the second with seed 2."""
@@ -824,12 +806,6 @@ def test_elastic_rescales_of_two_block_shuffled_pipelines_in_one_process_each_se
     assert _rescale_once(functools.partial(_shard_block, 2, 50), 50) == list(range(50))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: shard().shuffle(seed) accepts seeds >= 2**63 (a numpy uint64 from a SeedSequence) but "
-    "resumable.elastic.restore refuses its own states: StateError 'reorder entry ... is not a shuffle's "
-    "[kind, config]' (orders.check_order checks the seed with is_count, at most 2**63-1)",
-)
 @pytest.mark.parametrize("make", [_shard_shuffle, _shard_block])
 def test_elastic_rescale_with_a_uint64_seed_sees_every_record_once(make: Callable[..., Node[Any]]) -> None:
     seed = int(np.random.SeedSequence(2).generate_state(1, dtype=np.uint64)[0])
@@ -843,12 +819,6 @@ def _mixed(n: int, rank: int, world_size: int) -> Node[Any]:
     return rs.mix({"web": web, "code": code}, on_end="drop")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: an elastic restore of rs.mix over two shard().shuffle(seed, block_size=2, window=2) components "
-    "of the same size with seeds 1 and 2, in a fresh process, repeats web2/web3 and loses web24/web25 (the "
-    "components' rescales share orders._layout's window permutations, cached without the seed)",
-)
 def test_elastic_restore_of_a_mix_of_two_block_shuffled_components_sees_every_record_once() -> None:
     n = 40
     olds, seen = [], []

@@ -22,6 +22,11 @@ from resumable.errors import ConfigError
 INT64_MIN = -(2**63)
 
 
+SEED_MAX = 2**64 - 1
+"""The largest seed: shuffles and mixes are keyed by its 64 bits (a numpy ``SeedSequence``'s
+uint64 draws included)."""
+
+
 def is_int(value: Any) -> TypeGuard[int | np.integer[Any]]:
     """Whether ``value`` is an integer option's value: an int or a numpy integer, not a bool."""
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
@@ -51,6 +56,20 @@ def int_option(
     if most is not None and value > most:
         raise ConfigError(f"{kind}: {name} must be at most {most:,}, got {value!r}")
     return int(value)
+
+
+@overload
+def seed_option(kind: str, name: str, value: Any) -> int: ...
+
+
+@overload
+def seed_option(kind: str, name: str, value: Any, *, optional: bool) -> int | None: ...
+
+
+def seed_option(kind: str, name: str, value: Any, *, optional: bool = False) -> int | None:
+    """A seed: an int in ``[0, SEED_MAX]`` (None allowed with ``optional``). Orders are keyed by
+    64 bits, so a larger seed would repeat a smaller one's order; it is refused instead."""
+    return int_option(kind, name, value, least=0, most=SEED_MAX, optional=optional)
 
 
 def int64_option(kind: str, name: str, value: Any, *, least: int = 1) -> int:

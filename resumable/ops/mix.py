@@ -52,7 +52,7 @@ from typing import Any, Iterator, Mapping, Sequence, TypeVar, cast
 from resumable.core.indexed import IndexedNode
 from resumable.core.keys import RecordKey
 from resumable.core.node import Node
-from resumable.core.options import finite_float, int_option
+from resumable.core.options import finite_float, seed_option
 from resumable.core.state import (
     ENDED,
     check_config,
@@ -149,7 +149,7 @@ class Mix(Node[T]):
                         "item by item hands each record to one reader only; build one per component (nodes read "
                         "by position, below a shuffle, shard or map of an indexed source, may be shared)"
                     )
-        seed = int_option(kind, SEED, seed, least=0)
+        seed = seed_option(kind, SEED, seed)
         if on_end not in ON_END:
             raise ConfigError(f"{kind}: unknown on_end {on_end!r}, expected one of {', '.join(map(repr, ON_END))}")
         if schedule not in SCHEDULES:

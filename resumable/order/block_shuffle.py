@@ -28,7 +28,7 @@ from typing import Any, TypeVar, cast
 import numpy as np
 
 from resumable.core.indexed import IndexedNode
-from resumable.core.options import int64_option, int_option, is_int
+from resumable.core.options import int64_option, is_int, seed_option
 from resumable.core.state import INT64_MAX
 from resumable.errors import ConfigError
 from resumable.order.lcg import Permutation, _splitmix64
@@ -78,8 +78,10 @@ class BlockLayout:
             if bounds.size < 2 or bounds[0] != 0 or bounds[-1] != total or np.any(np.diff(bounds) <= 0):
                 raise ConfigError(f"BlockLayout: block bounds must rise strictly from 0 to {total}")
         self.bounds = bounds
-        self._epoch_table: tuple[int, np.ndarray, np.ndarray, np.ndarray] | None = None
-        self._windows: OrderedDict[tuple[int, int], Permutation] = OrderedDict()
+        # Both caches are keyed by seed and epoch: a layout may be shared by shuffles of
+        # different seeds (an elastic rescale's orders share layouts of one shape).
+        self._epoch_table: tuple[tuple[int, int], np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._windows: OrderedDict[tuple[int, int, int], Permutation] = OrderedDict()
 
     @property
     def num_blocks(self) -> int:
@@ -92,7 +94,7 @@ class BlockLayout:
     def _table(self, seed: int, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(block starts in permuted order, slot starts, window starts)`` of ``epoch``."""
         cached = self._epoch_table
-        if cached is not None and cached[0] == epoch:
+        if cached is not None and cached[0] == (seed, epoch):
             return cached[1], cached[2], cached[3]
         bounds = cast(np.ndarray, self.bounds)
         blocks = len(bounds) - 1
@@ -103,13 +105,13 @@ class BlockLayout:
         if window_starts[-1] != self.total:
             window_starts = np.append(window_starts, self.total)
         block_starts = bounds[order]
-        self._epoch_table = (epoch, block_starts, slot_starts, window_starts)
+        self._epoch_table = ((seed, epoch), block_starts, slot_starts, window_starts)
         return block_starts, slot_starts, window_starts
 
     # -- the bijection --------------------------------------------------------------------------
 
     def _window_permutation(self, seed: int, epoch: int, window: int, size: int) -> Permutation:
-        key = (epoch, window)
+        key = (seed, epoch, window)
         perm = self._windows.get(key)
         if perm is None:
             perm = Permutation(size, _window_seed(seed, window), epoch)
@@ -192,7 +194,7 @@ class BlockShuffle(IndexedNode[T]):
         self, upstream: IndexedNode[T], seed: int = 0, block_size: int | str | None = None, window: int | None = None
     ) -> None:
         super().__init__(upstream)
-        seed = int_option(self.kind, "seed", seed, least=0)
+        seed = seed_option(self.kind, SEED, seed)
         window = DEFAULT_WINDOW if window is None else int64_option(self.kind, "window", window)
         bounds = None
         if block_size is None or block_size == ROW_GROUP:
@@ -210,10 +212,10 @@ class BlockShuffle(IndexedNode[T]):
             raise ConfigError(f"{self.kind}: block_size must be a positive int or 'row_group', got {block_size!r}")
         else:
             block_size = int(block_size)
-            if block_size * window > INT64_MAX:  # a window's positions are counted in int64
-                raise ConfigError(
-                    f"{self.kind}: block_size * window must be at most {INT64_MAX:,}, got {block_size} * {window}"
-                )
+        if isinstance(block_size, int) and block_size * window > INT64_MAX:  # a window's positions are int64
+            raise ConfigError(
+                f"{self.kind}: block_size * window must be at most {INT64_MAX:,}, got {block_size} * {window}"
+            )
         self.seed = seed
         self.block_size: int | str = block_size
         self.window = window

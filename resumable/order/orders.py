@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from resumable.core.state import is_count
+from resumable.core.options import SEED_MAX
+from resumable.core.state import INT64_MAX, is_count
 from resumable.errors import StateError
 from resumable.order.block_shuffle import BLOCK_SIZE, SEED, WINDOW, BlockLayout, BlockShuffle
 from resumable.order.lcg import Permutation
@@ -31,7 +32,11 @@ def check_order(value: Any, path: str) -> Order:
     if isinstance(value, list) and len(value) == 2 and isinstance(value[1], dict):
         kind, config = value
         keys = _CONFIG_KEYS.get(kind) if isinstance(kind, str) else None
-        if keys is not None and set(config) == keys and all(is_count(v) for v in config.values()):
+        if (
+            keys is not None
+            and set(config) == keys
+            and all(is_count(v, SEED_MAX if name == SEED else INT64_MAX) for name, v in config.items())
+        ):
             if kind == Shuffle.kind or (config[BLOCK_SIZE] >= 1 and config[WINDOW] >= 1):
                 return kind, config
     raise StateError(f"{path}: reorder entry {str(value)[:80]!r} is not a shuffle's [kind, config]")
@@ -47,5 +52,5 @@ def take(order: Order, positions: np.ndarray, length: int, epoch: int) -> np.nda
 
 @lru_cache(maxsize=8)
 def _layout(length: int, window: int, block_size: int) -> BlockLayout:
-    """Layouts are pure and keep a small cache of window permutations: share them."""
+    """Layouts are pure and keep a small cache of permutations keyed by seed and epoch: share them."""
     return BlockLayout(length, window, block_size=block_size)

@@ -7,7 +7,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from resumable.core.indexed import IndexedNode
-from resumable.core.options import int_option
+from resumable.core.options import seed_option
 from resumable.order.lcg import Permutation
 
 T = TypeVar("T")
@@ -26,7 +26,7 @@ class Shuffle(IndexedNode[T]):
 
     def __init__(self, upstream: IndexedNode[T], seed: int = 0) -> None:
         super().__init__(upstream)
-        self.seed = int_option(self.kind, "seed", seed, least=0)
+        self.seed = seed_option(self.kind, SEED, seed)
         self._permutation: tuple[int, int, Permutation] | None = None
 
     def __len__(self) -> int:

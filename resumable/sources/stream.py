@@ -29,7 +29,7 @@ import orjson
 from resumable._forks import InheritedByForks, Settle, inherited
 from resumable.core.keys import RecordKey, leaf_key
 from resumable.core.node import Node
-from resumable.core.options import int_option
+from resumable.core.options import int_option, seed_option
 from resumable.core.state import (
     ENDED,
     check_config,
@@ -106,7 +106,7 @@ class JsonlStream(WatchedIdentity, Node[Any], InheritedByForks):
         super().__init__()
         if on_error not in ("raise", "skip"):
             raise ConfigError(f"{self.kind}: on_error must be 'raise' or 'skip', got {on_error!r}")
-        shuffle_files = int_option(self.kind, "shuffle_files", shuffle_files, least=0, optional=True)
+        shuffle_files = seed_option(self.kind, SHUFFLE_FILES, shuffle_files, optional=True)
         chunk_bytes = int_option(self.kind, "chunk_bytes", chunk_bytes)
         self._consumer = Consumer(rank, world_size, split_workers, self.kind)
         self.paths, self._remote = resolve(paths, self.kind, storage_options, filesystem)

@@ -17,9 +17,8 @@ from resumable import nodes
 from resumable.checkpoint import load_state, save_state
 from resumable.core.indexed import IndexedNode
 from resumable.core.node import Node
-from resumable.errors import ConfigError, ResumableError, SourceError, StateError
+from resumable.errors import ConfigError, MapError, ResumableError, SourceError, StateError
 from resumable.ops.mix import mix
-from resumable.ops.parallel_map import MapError
 from resumable.order.topology import Topology
 from resumable.sources.arrow import arrow, from_hf
 from resumable.sources.jsonl import jsonl

@@ -2,6 +2,7 @@
 
 from resumable.core.indexed import IndexedNode
 from resumable.core.node import Node
+from resumable.errors import MapError
 from resumable.ops.batch import Batch
 from resumable.ops.cache import Cache
 from resumable.ops.even import Even
@@ -9,7 +10,7 @@ from resumable.ops.filter import Filter
 from resumable.ops.indexed_filter import IndexedFilter
 from resumable.ops.map import IndexedMap, Map
 from resumable.ops.mix import Mix
-from resumable.ops.parallel_map import MapError, ParallelMap
+from resumable.ops.parallel_map import ParallelMap
 from resumable.ops.prefetch import Prefetch
 from resumable.ops.repeat import Repeat
 from resumable.order.block_shuffle import BlockShuffle

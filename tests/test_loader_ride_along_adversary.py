@@ -357,10 +357,11 @@ def same_error(mine: BaseException | None, theirs: BaseException | None) -> None
 
 @pytest.mark.parametrize("kind", ["value", "source", "two arguments", "collate"])
 def test_an_exception_in_a_worker_reaches_the_user_and_the_state_before_it_is_exact(kind: str) -> None:
-    """The user gets the worker's exception as torchdata gives it (same type and message); the
-    state after it is the one before it; every state up to it, restored, gives the same batches
-    and then the same exception; and a loop that catches it and goes on gets torchdata's batches
-    and states."""
+    """The user gets the worker's exception as torchdata gives it (same type and message); every
+    state up to it, restored, gives the same batches and then the same exception; a loop that
+    catches it and goes on gets torchdata's batches; and the state taken right after it, restored,
+    goes on as that loop does (torchdata's would raise the error again: its failing worker sends
+    no state with the error; the Loader's does)."""
     build = functools.partial(failing, "none" if kind == "collate" else kind)
     config = {"num_workers": WORKERS, "collate_fn": fail_in_collate if kind == "collate" else None}
     theirs = reference(build, **config)
@@ -373,15 +374,12 @@ def test_an_exception_in_a_worker_reaches_the_user_and_the_state_before_it_is_ex
         if kind == "two arguments":
             assert isinstance(error, RuntimeError) and "record 8: bad" in str(error)
         after = saved(ours)
-        assert without_seed(after["loader"]) == without_seed(theirs.state_dict())
-        if steps:
-            assert after["loader"] == json.loads(json.dumps(steps[-1][1])), "the exception moved the state"
-        # Going on after catching it: the other worker's batches, as torchdata gives them.
-        going_on = []
-        for batch in iterator:
-            going_on.append((plain(batch), without_seed(ours.state_dict()["loader"])))
-        their_going_on = [(plain(batch), without_seed(theirs.state_dict())) for batch in their_iterator]
-        assert going_on == their_going_on
+        # Going on after catching it: the batches torchdata gives.
+        going_on = [plain(batch) for batch in iterator]
+        assert going_on == [plain(batch) for batch in their_iterator]
+    with Loader(build, **config) as resumed:
+        resumed.load_state_dict(after)
+        assert [plain(batch) for batch in resumed] == going_on
 
     batches = [batch for batch, _ in expected]
     for done in range(len(steps) + 1):

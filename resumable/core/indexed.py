@@ -21,7 +21,7 @@ from resumable.core.keys import RecordKey, Stride, leaf_key
 from resumable.core.node import Node
 from resumable.core.options import flag_option
 from resumable.core.state import require_count
-from resumable.errors import ConfigError, StateError
+from resumable.errors import ConfigError, MapError, StateError, stop_error
 from resumable.order.partition import shard_size
 
 if TYPE_CHECKING:
@@ -316,21 +316,27 @@ class IndexedNode(Node[T]):
                 record = self._decode(raw)
             except Exception as error:  # noqa: BLE001 - the source raises its own error
                 leaf._decode_failed(raw, index, error, may_skip=False)
-        for fn in self._fns:
-            record = fn(record)
+        try:
+            for fn in self._fns:
+                record = fn(record)
+        except StopIteration as stop:
+            raise stop_error(f"{self.kind}: a function mapped over leaf record {index}", None, stop) from stop
         return record
 
-    def _scan(self, start: int, stop: int, epoch: int, skip: bool) -> Iterator[tuple[int, T]]:
+    def _scan(
+        self, start: int, stop: int, epoch: int, skip: bool, failed: Callable[[Exception], Any] | None = None
+    ) -> Iterator[tuple[int, T]]:
         """``(leaf index, record)`` for positions ``[start, stop)`` of ``epoch``, read in chunks
         by random access (the cursor does not move). A record the decoder rejects raises the
         source's error, or with ``skip`` is left out when the source skips malformed records
-        (``on_error="skip"``, counted by the source), as iteration would."""
+        (``on_error="skip"``, counted by the source), as iteration would. With ``failed``, a
+        record whose decoding or maps raise is ``failed(error)`` instead, and the scan goes on."""
         position = start
         while position < stop:
             raws = self._raw_chunk(position, min(MAX_CHUNK, stop - position), epoch)
             leaves = self._leaf_indices(np.arange(position, position + len(raws), dtype=np.int64), epoch)
             position += len(raws)
-            yield from self._decoded(raws, leaves, skip)
+            yield from self._decoded(raws, leaves, skip, failed)
 
     def _scan_leaves(self, leaves: np.ndarray, skip: bool) -> Iterator[tuple[int, T]]:
         """``(leaf index, record)`` for leaf records ``leaves`` (int64), in that order, read as
@@ -339,20 +345,28 @@ class IndexedNode(Node[T]):
             chunk = leaves[start : start + MAX_CHUNK]
             yield from self._decoded(self.leaf._raw_at(chunk), chunk, skip)
 
-    def _decoded(self, raws: Sequence[Any], leaves: np.ndarray, skip: bool) -> Iterator[tuple[int, T]]:
-        """Raw records of leaf indices ``leaves`` through this chain's decoder and maps."""
+    def _decoded(
+        self, raws: Sequence[Any], leaves: np.ndarray, skip: bool, failed: Callable[[Exception], Any] | None = None
+    ) -> Iterator[tuple[int, T]]:
+        """Raw records of leaf indices ``leaves`` through this chain's decoder and maps (with
+        ``failed``, a record that raises is ``failed(error)``, as ``_scan`` says)."""
         self._prepare_chain()
         decode, fns = self._decode, self._fns
         for raw, leaf in zip(raws, leaves.tolist()):
             record = raw
-            if decode is not None:
-                try:
-                    record = decode(raw)
-                except Exception as error:  # noqa: BLE001 - the source raises its own error
-                    self.leaf._decode_failed(raw, leaf, error, may_skip=skip)
-                    continue
-            for fn in fns:
-                record = fn(record)
+            try:
+                if decode is not None:
+                    try:
+                        record = decode(raw)
+                    except Exception as error:  # noqa: BLE001 - the source raises its own error
+                        self.leaf._decode_failed(raw, leaf, error, may_skip=skip)
+                        continue
+                for fn in fns:
+                    record = fn(record)
+            except Exception as error:
+                if failed is None:
+                    raise
+                record = failed(error)
             yield leaf, record
 
     def last_key(self) -> RecordKey | None:
@@ -456,6 +470,7 @@ class IndexedNode(Node[T]):
         self._chunk_size = MIN_CHUNK
         self._run_size = 1
         self._pending: Iterator[Any] = _NOTHING
+        self._run_guarded = False
         self.__dict__.pop("_flow", None)
 
     def _prepare_chain(self) -> None:
@@ -491,6 +506,8 @@ class IndexedNode(Node[T]):
         raises (that would end the flow): an error comes back as a run that raises it, with the
         cursor where it was, so the next call tries again."""
         try:
+            if operator.length_hint(self._pending):  # the last run stopped short: a StopIteration
+                return itertools.chain(map(_raise, (self._stopped_error(),)), self._run_over(self._pending))
             return self._load_next_chunk()
         except StopIteration:  # inside a run it would read as the end of that run
             return map(_raise, (RuntimeError(f"{self.kind}: reading a chunk raised StopIteration"),))
@@ -527,13 +544,35 @@ class IndexedNode(Node[T]):
         records, guarded = self._decoded_run(raws, offset)
         self._raws, self._raws_start, self._chunk_size = raws, start - offset, size
         self._chunk, self._chunk_start, self._chunk_leaves = records, start, None
-        self._pending = iter(records)
-        run: Iterator[Any] = self._pending
-        if guarded:
-            run = filter(_KEPT, map(self._decode_or_reject, run))
+        self._pending, self._run_guarded = iter(records), guarded
+        return self._run_over(self._pending)
+
+    def _run_over(self, records: Iterator[Any]) -> Iterator[Any]:
+        """A run over ``records`` of the current chunk: decoded one by one where the run needs
+        it, then through the chain's maps, all at C level."""
+        run = filter(_KEPT, map(self._decode_or_reject, records)) if self._run_guarded else records
         for fn in self._fns:
             run = map(fn, run)
         return run
+
+    def _stopped_error(self) -> MapError:
+        """The error for the record at which the last run stopped short: a mapped function (or
+        the decoder) raised StopIteration there, which ``map`` takes for the end of the run.
+        The record counts as handed out, as one whose function raised anything else; its
+        functions are pure, so calling them again on it gives the StopIteration as the cause."""
+        record = self._chunk[len(self._chunk) - operator.length_hint(self._pending) - 1]
+        stop = StopIteration()
+        try:
+            if self._run_guarded:
+                record = self._decode_or_reject(record)
+            if record is not _SKIPPED:
+                for fn in self._fns:
+                    record = fn(record)
+        except StopIteration as raised:
+            stop = raised
+        except Exception:  # noqa: BLE001, S110 - not pure after all: reported without its cause
+            pass
+        return stop_error(f"{self.kind}: a function mapped over its records", self.last_key(), stop)
 
     def _decoded_run(self, raws: Sequence[Any], offset: int) -> tuple[Sequence[Any], bool]:
         """The records of the run starting at ``raws[offset]``, and whether they still need

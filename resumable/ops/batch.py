@@ -6,7 +6,7 @@ from typing import Any, Callable, Generic, TypeVar
 
 from resumable.core.node import Node
 from resumable.core.options import flag_option, int_option
-from resumable.errors import ConfigError, StateError
+from resumable.errors import ConfigError, StateError, stop_error
 
 T = TypeVar("T")
 
@@ -70,4 +70,10 @@ class Batch(Node[Any], Generic[T]):
                 break
         if not items or (self.drop_last and len(items) < self.batch_size):
             raise StopIteration
-        return self.collate_fn(items) if self.collate_fn is not None else items
+        if self.collate_fn is None:
+            return items
+        try:
+            return self.collate_fn(items)
+        except StopIteration as stop:
+            where = f"{self.kind}: collate_fn, on the batch that ends at the record with key {upstream.last_key()},"
+            raise stop_error(where, None, stop) from stop

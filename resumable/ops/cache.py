@@ -30,7 +30,7 @@ import os
 import warnings
 from collections import OrderedDict
 from types import CodeType
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, NamedTuple, Sequence, TypeVar
 
 import numpy as np
 
@@ -63,9 +63,19 @@ class _SkippedRecord(Exception):
     """Raised by the cache's decoder at a skipped record, so the cursor above skips it too."""
 
 
+class _Failed(NamedTuple):
+    """A record whose computation raised: never stored, raised again where the record is read
+    (by the cache's decoder), so the error comes at its record and iteration goes on past it,
+    as without the cache."""
+
+    error: Exception
+
+
 def _unwrap(record: Any) -> Any:
     if record is SKIPPED:
         raise _SkippedRecord
+    if type(record) is _Failed:
+        raise record.error
     return record
 
 
@@ -227,6 +237,7 @@ class Cache(IndexedNode[T]):
 
     kind = "Cache"
     _same_positions = True
+    _decodes_whole_chunks = True  # records come as they are (``_decode_run``) unless one failed
 
     upstream: IndexedNode[Any]
 
@@ -245,6 +256,7 @@ class Cache(IndexedNode[T]):
         self.fingerprint, fingerprinted = fingerprint(indexed)
         self._skips = indexed.leaf.skips_malformed
         self.computed = 0
+        self._failures = 0  # records whose computation raised (never stored)
         """Records computed from the upstream by this node (not read from the cache)."""
         self._memory = LRU(max_bytes)
         self._disk: disk_cache.DiskStore | None = None
@@ -288,9 +300,16 @@ class Cache(IndexedNode[T]):
         return self._skips
 
     def _decoder(self) -> Callable[[Any], Any] | None:
-        # Only when the source skips malformed records: a skipped one is cached as SKIPPED, and
-        # this decoder makes the nodes above skip it as iteration over the source would.
-        return _unwrap if self._skips else None
+        # A skipped record is cached as SKIPPED, which this decoder makes the nodes above skip
+        # as iteration over the source would; a failed one (never stored) raises its error.
+        return _unwrap
+
+    def _decode_run(self, raws: Sequence[Any]) -> list[Any]:
+        """A run of records as they are, unless one may be skipped or failed: then the run is
+        decoded one by one (``_unwrap`` raises at that record), as records are handed out."""
+        if self._skips or self._failures:
+            return list(map(_unwrap, raws))
+        return list(raws)
 
     def _decode_failed(self, raw: Any, index: int, error: Exception, may_skip: bool) -> None:
         if not isinstance(error, _SkippedRecord):
@@ -316,10 +335,10 @@ class Cache(IndexedNode[T]):
         computed, which takes a while."""
         records: list[Any] = []
         size = self.block_size
-        views: dict[int, disk_cache.BlockView] = {}  # checked since the last block was computed
+        views: dict[int, disk_cache.BlockView | _ComputedBlock] = {}  # checked since the last block was computed
         computed = self.computed
         block = -1
-        view: disk_cache.BlockView  # set at the first position: no block is -1
+        view: disk_cache.BlockView | _ComputedBlock  # set at the first position: no block is -1
         for position in positions:
             if position // size != block:
                 block = position // size
@@ -336,12 +355,14 @@ class Cache(IndexedNode[T]):
             records.append(view.record(position - block * size))
         return records
 
-    def _block(self, disk: disk_cache.DiskStore, block: int) -> disk_cache.BlockView | None:
+    def _block(self, disk: disk_cache.DiskStore, block: int) -> disk_cache.BlockView | _ComputedBlock | None:
         view = disk.view(block)
         if view is not None:
             return view
         start, stop = disk.bounds(block)
         computed = self._compute(start, stop)
+        if self._failures and any(type(record) is _Failed for record in computed):
+            return _ComputedBlock(computed)  # not stored: its failed records are computed again
         table = disk_cache.encode_block(computed, start)
         try:
             disk.write(block, table)
@@ -366,7 +387,8 @@ class Cache(IndexedNode[T]):
                 continue
             for offset, record in enumerate(self._compute(run_start, previous + 1)):
                 computed[run_start + offset] = record
-                memory.put(run_start + offset, record)
+                if type(record) is not _Failed:
+                    memory.put(run_start + offset, record)
             if position is not None:
                 run_start = previous = position
         return [computed[p] if r is _MISSING else r for p, r in zip(positions, records)]
@@ -376,13 +398,17 @@ class Cache(IndexedNode[T]):
         ``SKIPPED`` where the source skipped a malformed record. The upstream holds no shuffle
         or shard, so its leaf indices rise with its positions (an indexed filter skips some)."""
         leaves = self.upstream._leaf_indices(np.arange(start, stop, dtype=np.int64), 0)
-        scanned = list(self.upstream._scan(start, stop, 0, skip=self._skips))
+        scanned = list(self.upstream._scan(start, stop, 0, skip=self._skips, failed=self._failed))
         found = np.fromiter((leaf for leaf, _ in scanned), dtype=np.int64, count=len(scanned))
         records: list[Any] = [SKIPPED] * (stop - start)
         for offset, (_, record) in zip(np.searchsorted(leaves, found).tolist(), scanned):
             records[offset] = record
         self.computed += len(records)
         return records
+
+    def _failed(self, error: Exception) -> _Failed:
+        self._failures += 1  # from now on, runs of records are checked for failed ones
+        return _Failed(error)
 
     # -- state: configuration only, plus the cursor -----------------------------------------
 
@@ -397,6 +423,13 @@ class Cache(IndexedNode[T]):
     def _check_config(self, state: dict[str, Any], path: str) -> None:
         """Nothing to check: a cache never changes the records, so a state saved with another
         directory, size or a cold cache resumes here (the upstream's own checks still apply)."""
+
+
+class _ComputedBlock:
+    """A disk block's records computed but not stored (some failed), read as a ``BlockView``."""
+
+    def __init__(self, records: list[Any]) -> None:
+        self.record = records.__getitem__
 
 
 def cache(

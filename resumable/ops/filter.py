@@ -7,7 +7,7 @@ from typing import Any, Callable, Sequence, TypeVar
 from resumable.core.keys import RecordKey
 from resumable.core.node import Node
 from resumable.core.state import require_count
-from resumable.errors import ConfigError
+from resumable.errors import ConfigError, stop_error
 
 T = TypeVar("T")
 
@@ -36,7 +36,11 @@ class Filter(Node[T]):
         upstream, predicate = self.upstream, self.predicate
         while True:
             item: T = next(upstream)
-            if predicate(item):
+            try:
+                kept = predicate(item)
+            except StopIteration as stop:
+                raise stop_error(f"{self.kind}: predicate", upstream.last_key(), stop) from stop
+            if kept:
                 return item
             self.dropped += 1
 

@@ -9,7 +9,7 @@ import numpy as np
 from resumable.core.indexed import IndexedNode
 from resumable.core.keys import RecordKey
 from resumable.core.node import Node
-from resumable.errors import ConfigError
+from resumable.errors import ConfigError, stop_error
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -33,7 +33,11 @@ class Map(Node[U]):
         self.fn = fn
 
     def _next(self) -> U:
-        return self.fn(next(self.upstream))
+        item = next(self.upstream)
+        try:
+            return self.fn(item)
+        except StopIteration as stop:
+            raise stop_error(f"{self.kind}: fn", self.upstream.last_key(), stop) from stop
 
     def _known_length(self) -> int:
         return len(self.upstream)
@@ -42,7 +46,11 @@ class Map(Node[U]):
         return self.upstream.last_key()
 
     def fetch_many(self, keys: Sequence[RecordKey]) -> list[U]:
-        return [self.fn(item) for item in self.upstream.fetch_many(keys)]
+        items = self.upstream.fetch_many(keys)
+        try:
+            return [self.fn(item) for item in items]
+        except StopIteration as stop:
+            raise stop_error(f"{self.kind}: fn", None, stop) from stop
 
 
 class IndexedMap(IndexedNode[U]):

@@ -37,7 +37,7 @@ from resumable._worker_signals import init_pool_worker
 from resumable.core.keys import RecordKey
 from resumable.core.node import Mark, Node
 from resumable.core.options import choice_option, flag_option, int_option
-from resumable.errors import ConfigError, ResumableError
+from resumable.errors import ConfigError, MapError, ResumableError, stop_error
 from resumable.ops.read_ahead import ReadAhead
 
 T = TypeVar("T")
@@ -70,17 +70,8 @@ _ERROR = 2
 
 # What one task returns: the results in order (None where fn raised) and, if fn raised, the
 # exception and, from a worker process, its formatted traceback, by the record's index in the chunk.
-Failures = Optional[dict[int, tuple[Exception, Optional[str]]]]
+Failures = Optional[dict[int, tuple[BaseException, Optional[str]]]]
 Outcome = tuple[list[Any], Failures]
-
-
-class MapError(ResumableError):
-    """The mapped function raised on a record; names the node and the record's key and
-    chains the original exception (``__cause__``)."""
-
-    def __init__(self, message: str, key: RecordKey | None) -> None:
-        super().__init__(message)
-        self.key = key
 
 
 class RemoteTraceback(Exception):
@@ -103,14 +94,14 @@ def _map_items(fn: Callable[[Any], Any], items: list[Any], remote: bool, batched
     if batched and len(items) > 1:
         try:
             return apply_batched(fn, items), None
-        except Exception:  # noqa: BLE001 - found again below, record by record
+        except BaseException:  # noqa: BLE001 - found again below, record by record
             pass
     results: list[Any] = []
     failures: Failures = None
     for index, item in enumerate(items):
         try:
             results.append(apply_batched(fn, [item])[0] if batched else fn(item))
-        except Exception as error:  # noqa: BLE001 - handed out at its record
+        except BaseException as error:  # noqa: BLE001 - handed out at its record, whatever it is
             results.append(None)
             if failures is None:
                 failures = {}
@@ -149,7 +140,7 @@ def _is_sequence(results: Any) -> bool:
     return isinstance(results, Sequence) and not isinstance(results, (str, bytes, bytearray))
 
 
-def _portable(error: Exception) -> tuple[Exception, str]:
+def _portable(error: BaseException) -> tuple[BaseException, str]:
     """``error`` with its traceback text, or, if it cannot make the trip back from the worker,
     the pickling error in its place (what a pool task that returned it would have raised)."""
     try:
@@ -255,7 +246,7 @@ def _forkserver_imports_this_copy(cwd: str, python_environment: frozenset[tuple[
     return bool(printed) and this is not None and os.path.realpath(printed[-1]) == os.path.realpath(this)
 
 
-def _with_cause(failure: tuple[Exception, str | None]) -> Exception:
+def _with_cause(failure: tuple[BaseException, str | None]) -> BaseException:
     """The exception of a failed record, its worker traceback (if any) as its cause."""
     error, text = failure
     if text is not None:
@@ -358,6 +349,8 @@ class ParallelMap(ReadAhead[U]):
         results = cast("list[Any]", chunk.results)  # resolved above
         if chunk.failures is not None and index in chunk.failures:
             error = _with_cause(chunk.failures[index])
+            if not isinstance(error, Exception):
+                raise error  # SystemExit, KeyboardInterrupt...: as a serial map raises them
             raise MapError(
                 f"{self.kind} ({self.mode}, {self.num_workers} workers) over {self.upstream!r}: "
                 f"fn raised {type(error).__name__} on the record with key {key}: {error}",
@@ -387,7 +380,7 @@ class ParallelMap(ReadAhead[U]):
         if len(items) == 1:
             return [None], {0: (error, None)}
         results: list[Any] = []
-        failures: dict[int, tuple[Exception, str | None]] = {}
+        failures: dict[int, tuple[BaseException, str | None]] = {}
         for index, future in enumerate([self._submit([item]) for item in items]):
             try:
                 [result], failed = future.result()
@@ -481,16 +474,19 @@ class ParallelMap(ReadAhead[U]):
         a single item is mapped in the calling thread, where the pool would only add a round
         trip. An exception of ``fn`` is raised as it is."""
         items = self.upstream.fetch_many(keys)
-        if len(items) < 2:
-            if self.batched:
-                return apply_batched(self.fn, items) if items else []
-            return [self.fn(item) for item in items]
-        size = min(MAX_CHUNK, math.ceil(len(items) / self.num_workers))
-        futures = [self._submit(items[start : start + size]) for start in range(0, len(items), size)]
-        mapped: list[U] = []
-        for future in futures:
-            results, failures = future.result()
-            if failures is not None:
-                raise _with_cause(failures[min(failures)])
-            mapped.extend(results)
-        return mapped
+        try:
+            if len(items) < 2:
+                if self.batched:
+                    return apply_batched(self.fn, items) if items else []
+                return [self.fn(item) for item in items]
+            size = min(MAX_CHUNK, math.ceil(len(items) / self.num_workers))
+            futures = [self._submit(items[start : start + size]) for start in range(0, len(items), size)]
+            mapped: list[U] = []
+            for future in futures:
+                results, failures = future.result()
+                if failures is not None:
+                    raise _with_cause(failures[min(failures)])
+                mapped.extend(results)
+            return mapped
+        except StopIteration as stop:
+            raise stop_error(f"{self.kind}: fn", None, stop) from stop

@@ -171,14 +171,14 @@ class _MultiProcessIterator(_Bounded, _StatefulMultiProcessingDataLoaderIter):  
         key = self._worker_key(worker_id)
         fetcher = {_FETCHER_ENDED: False, _DATASET_ITER_STATE: shipped}
         self._latest_states[key] = {**self._latest_states[key], _FETCHER_STATE: fetcher}
-        batch = super()._process_data(data, worker_id, state_dict)
         self._as_of_batch = _AsOfBatch(
-            self._num_yielded + 1,  # torchdata counts the batch after this call
+            # torchdata counts a batch after this call, and not an error (which it raises here)
+            self._num_yielded + (not isinstance(data, ExceptionWrapper)),
             worker_id,
             self._sampler_counts.pop(self._rcvd_idx - 1),
             dict(self._latest_states),
         )
-        return batch
+        return super()._process_data(data, worker_id, state_dict)
 
     def _update_worker_snapshot(self, worker_key: str, state_dict: Any) -> None:
         """torchdata's news of a worker (its last state, as its pass ends) is its latest."""

@@ -7,11 +7,12 @@ import os
 from typing import Any, Callable, NamedTuple, Union, cast
 
 import orjson
+from torch._utils import ExceptionWrapper
 from torch.utils.data import IterableDataset, default_convert, get_worker_info
 
 from resumable.core.node import Node
 from resumable.core.options import int_option
-from resumable.errors import ConfigError, StateError
+from resumable.errors import ConfigError, StateError, stop_error
 from resumable.loader_state import PASS_EPOCH, PIPELINE
 from resumable.ops.even import StoreRef, default_store, inherit_store, new_namespace
 from resumable.order.topology import distributed_rank, inherit_rank
@@ -37,16 +38,32 @@ class WorkerIterator:
     The state also names the epoch this pass started (``epoch``), so that a Loader state
     can check that every worker's pipeline state belongs to the epoch the Loader records."""
 
-    def __init__(self, pipeline: Node[Any], epoch: int, restored: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self,
+        pipeline: Node[Any],
+        epoch: int,
+        restored: Callable[[int], None] | None = None,
+        ships_failures: bool = False,
+    ) -> None:
         self.pipeline = pipeline
         self.epoch = epoch
         self._restored = restored  # told the epoch of a loaded pass (its dataset counts the next from it)
+        self._ships_failures = ships_failures
 
     def __iter__(self) -> WorkerIterator:
         return self
 
     def __next__(self) -> Any:
-        return next(self.pipeline)
+        try:
+            return next(self.pipeline)
+        except StopIteration:
+            raise
+        except Exception:
+            if not self._ships_failures:
+                raise
+            # A Loader's worker: hand the error over as its batch, so that it comes with the
+            # state right after it (``CollateBatch``), as a batch would.
+            return Failure(_handled_error())
 
     def state_dict(self) -> dict[str, Any]:
         return {PIPELINE: encode_state(self.pipeline.get_state()), PASS_EPOCH: self.epoch}
@@ -70,13 +87,43 @@ class WorkerIterator:
             self._restored(epoch)
 
 
+def _handled_error() -> ExceptionWrapper:
+    """The exception being handled in this worker, wrapped as torch's worker loop wraps it."""
+    where = f"in DataLoader worker process {cast('Any', get_worker_info()).id}"
+    return ExceptionWrapper(where=where)  # type: ignore[no-untyped-call]
+
+
+class Failure(NamedTuple):
+    """What a Loader worker's iterator returns in place of a batch whose pipeline raised: the
+    exception, as torch wraps it to raise again in the main process."""
+
+    error: ExceptionWrapper
+
+
 class BatchWithState(NamedTuple):
     """What a Loader worker hands over: a batch and its iterator's state right after it
     (``WorkerIterator.state_dict()``). The state rides along with the batch, so the Loader needs
-    none of torchdata's per-batch snapshot traffic (``resumable.torch._torchdata``)."""
+    none of torchdata's per-batch snapshot traffic (``resumable.torch._torchdata``). A batch
+    whose pipeline or ``collate_fn`` raised is the ``ExceptionWrapper`` torch raises again: the
+    state after the failure rides along the same way, so a state taken then is exact."""
 
     batch: Any
     state: dict[str, Any]
+
+
+class UserCollate:
+    """A Loader's ``collate_fn`` as the user gave it, but for a ``StopIteration``, which torch
+    would take for the end of the pass (a worker's, or the loop's without workers): it is a
+    ``MapError`` instead. A class, so that it pickles into spawned workers."""
+
+    def __init__(self, collate_fn: Callable[[Any], Any]) -> None:
+        self.collate_fn = collate_fn
+
+    def __call__(self, batch: Any) -> Any:
+        try:
+            return self.collate_fn(batch)
+        except StopIteration as stop:
+            raise stop_error("Loader: collate_fn", None, stop) from stop
 
 
 class CollateBatch:
@@ -91,8 +138,15 @@ class CollateBatch:
         self.collate_fn: Callable[[Any], Any] = default_convert if collate_fn is None else collate_fn
 
     def __call__(self, batch: Any) -> BatchWithState:
-        dataset: PipelineDataset = cast("Any", get_worker_info()).dataset  # only ever set in workers
-        return BatchWithState(self.collate_fn(batch), cast("WorkerIterator", dataset.iterator).state_dict())
+        info = cast("Any", get_worker_info())  # only ever called in workers
+        iterator = cast("WorkerIterator", info.dataset.iterator)
+        if type(batch) is Failure:
+            return BatchWithState(batch.error, iterator.state_dict())
+        try:
+            collated = self.collate_fn(batch)
+        except Exception:  # noqa: BLE001 - handed over with the state, as a batch would be
+            collated = _handled_error()
+        return BatchWithState(collated, iterator.state_dict())
 
 
 class PipelineDataset(IterableDataset[Any]):
@@ -128,6 +182,7 @@ class PipelineDataset(IterableDataset[Any]):
         self._namespace = new_namespace()
         self.store = self._store()
         self._told = 0  # set_epoch calls so far: each one is an order for the next iter()
+        self.ships_failures = False  # set in a Loader's workers (their iterators hand errors over)
         # In the process that iterates: (process id, set_epoch calls then, epoch started).
         self._started: tuple[int, int, int] | None = None
         # After an elastic rescale: the JSON pipeline state each worker (0 without workers)
@@ -181,7 +236,7 @@ class PipelineDataset(IterableDataset[Any]):
             info = get_worker_info()
             pipe.set_state(json.loads(self.rescaled[info.id if info is not None else 0]))
             self.rescaled = None  # later epochs start whole
-        self.iterator = WorkerIterator(pipe, epoch, self._restored_pass)
+        self.iterator = WorkerIterator(pipe, epoch, self._restored_pass, self.ships_failures)
         return self.iterator
 
     def _restored_pass(self, epoch: int) -> None:

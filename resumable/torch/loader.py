@@ -11,6 +11,7 @@ import warnings
 import weakref
 from typing import Any, Callable, Sequence, cast
 
+from torch.utils.data import get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from resumable._worker_signals import init_worker
@@ -36,7 +37,7 @@ from resumable.loader_state import (
 from resumable.ops.even import holds_even
 from resumable.order.topology import distributed_rank
 from resumable.torch import _torchdata
-from resumable.torch.dataset import CollateBatch, PipelineDataset, PipelineOrFactory
+from resumable.torch.dataset import CollateBatch, PipelineDataset, PipelineOrFactory, UserCollate
 from resumable.torch.elastic import factory_of, rescale_for_rank
 
 EVERY_BATCH = 1
@@ -101,9 +102,11 @@ class Loader(StatefulDataLoader):  # type: ignore[misc]  # torchdata is untyped 
         )
         _check_snapshot_every(snapshot_every_n_steps)
         dataset = pipeline if isinstance(pipeline, PipelineDataset) else PipelineDataset(pipeline)
+        if collate_fn is not None:
+            collate_fn = UserCollate(collate_fn)
         if num_workers:  # each batch comes with its state (_torchdata._MultiProcessIterator)
             collate_fn = CollateBatch(collate_fn)
-        worker_init_fn = functools.partial(init_worker, worker_init_fn, ignore_others_sigterm=workers_ignore_sigterm)
+        worker_init_fn = functools.partial(_init_worker, worker_init_fn, ignore_others_sigterm=workers_ignore_sigterm)
         with warnings.catch_warnings():  # torchdata calls a deprecated torch function here
             warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
             super().__init__(
@@ -343,6 +346,13 @@ def _check_worker_options(
     if num_workers:
         prefetch_factor = int_option(LOADER_KIND, "prefetch_factor", prefetch_factor, optional=True)
     return seconds, prefetch_factor
+
+
+def _init_worker(user_init: Callable[[int], None] | None, worker_id: int, *, ignore_others_sigterm: bool) -> None:
+    """A Loader worker's start: its dataset (the worker's own copy) hands errors over with the
+    state after them (``dataset.Failure``), then ``init_worker``."""
+    cast("Any", get_worker_info()).dataset.ships_failures = True
+    init_worker(user_init, worker_id, ignore_others_sigterm=ignore_others_sigterm)
 
 
 def _check_snapshot_every(every: Any) -> None:

@@ -370,7 +370,6 @@ def _rescale_indexed(cursors: list[IndexedNode[Any]], olds: list[dict[str, Any]]
     if max(epochs) - min(epochs) > 1:
         require_adjacent_epochs(olds, EPOCH, path)  # raises, naming the epochs
     positions = _counts(olds, POSITION, path, upper=MAX_POSITION)
-    shard, reading_orders = _shard_and_orders(cursors[0])
 
     chains: list[list[IndexedNode[Any]]] = [[] for _ in cursors]
     levels: list[tuple[list[dict[str, Any]], str]] = []
@@ -390,8 +389,14 @@ def _rescale_indexed(cursors: list[IndexedNode[Any]], olds: list[dict[str, Any]]
 
     for node, (states, where) in zip(chains[0], levels):
         if not isinstance(node, Shard):
-            for state in _distinct(states):
+            distinct = _distinct(states)
+            node._take_saved_options(distinct, where)  # one value over all old consumers
+            for state in distinct:
                 node._check_config(state, where)
+    for chain in chains[1:]:  # every new consumer continues in the old consumers' orders
+        for node, first_node, (_, where) in zip(chain, chains[0], levels):
+            node._take_saved_options([first_node._config()], where)
+    shard, reading_orders = _shard_and_orders(cursors[0])  # as the old consumers read
     depth = chains[0].index(shard)
     remap, next_remap = _new_remaps(shard, levels[depth][0], epochs, positions, reading_orders, levels[depth][1])
     rescaled = []

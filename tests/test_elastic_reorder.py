@@ -148,7 +148,7 @@ def test_reorder_step_round_trips_and_bad_ones_are_state_errors() -> None:
     remap = shard_state(state)["remap"]
     assert Remap.from_json(json.loads(json.dumps(remap)), "test").to_json() == remap
     reorder = remap["steps"][1]
-    assert reorder["orders"] == [["BlockShuffle", {"seed": 5, "block_size": 4, "window": 2}]]
+    assert reorder["orders"] == [["BlockShuffle", {"seed": 5, "block_size": 4, "window": 2, "rounds": 6}]]
     for bad in (
         [["Nope", {}]],
         [["Shuffle", {"seed": -1}]],
@@ -173,7 +173,7 @@ def test_inspect_names_the_reading_order(tmp_path: Path) -> None:
     new = build(rs.from_list(data), "shuffle", 0, 3)
     rs.save_state(rescaled_state(new, [pipe.get_state() for pipe in olds]), tmp_path / "rescaled.json")
     text = describe(str(tmp_path / "rescaled.json"))
-    assert "read their strides in the order of Shuffle(seed=5)" in text
+    assert "read their strides in the order of Shuffle(seed=5, rounds=6)" in text
 
 
 def loader_build() -> rs.Node:

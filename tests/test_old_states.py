@@ -12,6 +12,7 @@ import pytest
 
 import resumable as rs
 import resumable.torch as rst
+from resumable.order.lcg import LEGACY_ROUNDS, ROUNDS_OPTION
 from tests.resume import take
 
 SAVED = json.loads((Path(__file__).parent / "data" / "states_0.1.0.json").read_text())
@@ -32,12 +33,18 @@ def batches(loader: Any) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_a_loader_state_of_0_1_0_continues_exactly(workers: int) -> None:
+def test_a_loader_state_of_0_1_0_continues_exactly(workers: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """It finishes its epoch in the order of 0.1.0, whose shuffle made 4 rounds (the state holds
+    no ``rounds``); the next epoch is shuffled as this version shuffles it."""
     saved = SAVED[str(workers)]
     assert saved["state"]["format"] == "resumable.Loader/1"
     with rst.Loader(build, num_workers=workers) as reference:
-        whole = batches(reference)
+        batches(reference)
         following = batches(reference)
+    with monkeypatch.context() as patch:  # every epoch in 0.1.0's order (forked workers inherit it)
+        patch.setattr(rs.nodes.Shuffle, "_saved_options", {ROUNDS_OPTION: (LEGACY_ROUNDS, LEGACY_ROUNDS)})
+        with rst.Loader(build, num_workers=workers) as reference:
+            whole = batches(reference)
     assert whole[:5] == saved["head"]
     with rst.Loader(build, num_workers=workers) as loader:
         loader.load_state_dict(saved["state"])

@@ -734,13 +734,6 @@ def test_no_constant_difference_between_near_neighbours(n: int) -> None:
             assert np.bincount(order[lag:] ^ order[:-lag]).max() < 30, (seed, lag)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: the LCG permutation keeps structure at power-of-two lags: at n=2**20, seed 103, "
-    "perm(k + 2**17) - perm(k) takes one value 836 times (seed 20, lag 2**15: 229; random: about 9, "
-    "P(>= 40) ~ 1e-40); 4 multiply-add/xorshift rounds with any odd multiplier (0x455 for seed 146) mix "
-    "high-bit differences too little (resumable/order/lcg.py ROUNDS, constants)",
-)
 def test_no_repeated_difference_at_power_of_two_lags() -> None:
     """The design's promise: "no lag correlation a test can find". Counting repeated differences
     at lags 2**15 .. 2**18 over a 2**20-record epoch finds one, for fixed seeds."""

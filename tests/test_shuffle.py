@@ -37,6 +37,7 @@ def test_shuffle_state_is_the_cursor_only() -> None:
         "kind": "Shuffle",
         "version": 1,
         "seed": 1,
+        "rounds": 6,
         "epoch": 0,
         "position": 1,
         "length": 10**6,

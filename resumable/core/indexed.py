@@ -621,6 +621,10 @@ class IndexedNode(Node[T]):
     def _begin_epoch(self, epoch: int | None) -> None:
         # Indexed upstreams are read by random access: only this cursor moves.
         self._epoch = self._epoch + 1 if epoch is None else epoch
+        node: IndexedNode[Any] | None = self
+        while node is not None:  # a new epoch of the chain: its shuffles take this version's order
+            node._renew_saved_options()
+            node = node.upstream
         self._enter_epoch(self._epoch)
         self._reset_cursor(0)
         self._ended = False

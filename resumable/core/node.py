@@ -19,6 +19,7 @@ from typing import (
     Generic,
     Iterator,
     Literal,
+    Mapping,
     Sequence,
     TypeVar,
     Union,
@@ -79,6 +80,10 @@ class Node(Generic[T]):
     _upstream_only: ClassVar[bool] = True  # children and their states are the base class's
     # Options that may change on an elastic resume (a rescale), though not on a plain restore.
     _elastic_options: ClassVar[tuple[str, ...]] = ()
+    # Options a restored state sets rather than checks, each with (the value of states saved
+    # before it existed, the value of a new epoch): a shuffle's ``rounds``, so that a checkpoint
+    # finishes its epoch in the order it began, and the next epoch takes this version's.
+    _saved_options: ClassVar[Mapping[str, tuple[Any, Any]]] = {}
     # The header ``_header`` built last, with the ``_header_key()`` it was built under.
     _built_header: tuple[object, dict[str, Any]] | None = None
     # Why ``len()`` of this node is unknown, in the TypeError of the default ``_known_length``.
@@ -143,6 +148,7 @@ class Node(Generic[T]):
         if self.upstream is not None:
             self.upstream._begin_epoch(epoch)
         self._ended = False
+        self._renew_saved_options()
         self._on_epoch_start()
 
     def _on_epoch_start(self) -> None:
@@ -409,15 +415,47 @@ class Node(Generic[T]):
             self._ended = require(state, ENDED, bool, path)
 
     def _check_config(self, state: dict[str, Any], path: str) -> None:
-        """Reject a state saved with other options or over other data."""
-        check_config(state, self._config(), path)
+        """Reject a state saved with other options or over other data; take the options the
+        state sets (``_saved_options``)."""
+        self._take_saved_options([state], path)
+        check_config(state, self._checked_config(), path)
         self._check_identity(state, path)
+
+    def _checked_config(self) -> dict[str, Any]:
+        """``_config()`` but the options a state sets (``_saved_options``)."""
+        config = self._config()
+        if self._saved_options:
+            config = {key: value for key, value in config.items() if key not in self._saved_options}
+        return config
+
+    def _take_saved_options(self, states: Sequence[Mapping[str, Any]], path: str) -> None:
+        """Set each of ``_saved_options`` to its value in ``states`` (or the value of states
+        saved before it existed), which must agree: old consumers of one checkpoint."""
+        for key, (before, _) in self._saved_options.items():
+            values = {repr(state.get(key, before)): state.get(key, before) for state in states}
+            if len(values) > 1:
+                raise StateError(
+                    f"{path}: old consumers' states hold different {key} ({', '.join(sorted(values))}); "
+                    "they come from different checkpoints"
+                )
+            for value in values.values():
+                self._set_saved_option(key, value, path)
+
+    def _renew_saved_options(self) -> None:
+        """A new epoch (not a restored one) takes each of ``_saved_options`` at its new value."""
+        for key, (_, new) in self._saved_options.items():
+            self._set_saved_option(key, new, self.kind)
+
+    def _set_saved_option(self, key: str, value: Any, path: str) -> None:
+        """Set option ``key`` (one of ``_saved_options``) to a saved ``value``; StateError if invalid."""
+        raise NotImplementedError
 
     def _fresh_rescaled(self, olds: list[dict[str, Any]], path: str) -> dict[str, Any]:
         """This node's own state entries (no upstream) on a new consumer, for a node that holds
         nothing per consumer (``resumable.core.protocols.Rescalable`` nodes do): the same options (but
         ``_elastic_options``), the same data, counters of a fresh epoch."""
-        config = {key: value for key, value in self._config().items() if key not in self._elastic_options}
+        self._take_saved_options(olds, path)
+        config = {key: value for key, value in self._checked_config().items() if key not in self._elastic_options}
         for old in olds:
             check_config(old, config, path)
             self._check_identity(old, path)

@@ -31,7 +31,7 @@ from resumable.core.indexed import IndexedNode
 from resumable.core.options import int64_option, is_int, seed_option
 from resumable.core.state import INT64_MAX
 from resumable.errors import ConfigError
-from resumable.order.lcg import Permutation, _splitmix64
+from resumable.order.lcg import LEGACY_ROUNDS, ROUNDS, ROUNDS_OPTION, Permutation, _splitmix64, saved_rounds
 
 T = TypeVar("T")
 
@@ -80,8 +80,8 @@ class BlockLayout:
         self.bounds = bounds
         # Both caches are keyed by seed and epoch: a layout may be shared by shuffles of
         # different seeds (an elastic rescale's orders share layouts of one shape).
-        self._epoch_table: tuple[tuple[int, int], np.ndarray, np.ndarray, np.ndarray] | None = None
-        self._windows: OrderedDict[tuple[int, int, int], Permutation] = OrderedDict()
+        self._epoch_table: tuple[tuple[int, int, int], np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._windows: OrderedDict[tuple[int, int, int, int], Permutation] = OrderedDict()
 
     @property
     def num_blocks(self) -> int:
@@ -91,30 +91,30 @@ class BlockLayout:
 
     # -- variable blocks: a per-epoch table of permuted block starts --------------------------
 
-    def _table(self, seed: int, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _table(self, seed: int, epoch: int, rounds: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(block starts in permuted order, slot starts, window starts)`` of ``epoch``."""
         cached = self._epoch_table
-        if cached is not None and cached[0] == (seed, epoch):
+        if cached is not None and cached[0] == (seed, epoch, rounds):
             return cached[1], cached[2], cached[3]
         bounds = cast(np.ndarray, self.bounds)
         blocks = len(bounds) - 1
-        order = Permutation(blocks, seed, epoch).take(np.arange(blocks, dtype=np.int64))
+        order = Permutation(blocks, seed, epoch, rounds).take(np.arange(blocks, dtype=np.int64))
         sizes = np.diff(bounds)[order]
         slot_starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         window_starts = slot_starts[:: self.window]
         if window_starts[-1] != self.total:
             window_starts = np.append(window_starts, self.total)
         block_starts = bounds[order]
-        self._epoch_table = ((seed, epoch), block_starts, slot_starts, window_starts)
+        self._epoch_table = ((seed, epoch, rounds), block_starts, slot_starts, window_starts)
         return block_starts, slot_starts, window_starts
 
     # -- the bijection --------------------------------------------------------------------------
 
-    def _window_permutation(self, seed: int, epoch: int, window: int, size: int) -> Permutation:
-        key = (seed, epoch, window)
+    def _window_permutation(self, seed: int, epoch: int, rounds: int, window: int, size: int) -> Permutation:
+        key = (seed, epoch, rounds, window)
         perm = self._windows.get(key)
         if perm is None:
-            perm = Permutation(size, _window_seed(seed, window), epoch)
+            perm = Permutation(size, _window_seed(seed, window), epoch, rounds)
             self._windows[key] = perm
             while len(self._windows) > _WINDOW_CACHE:
                 self._windows.popitem(last=False)
@@ -122,8 +122,9 @@ class BlockLayout:
             self._windows.move_to_end(key)
         return perm
 
-    def take(self, positions: np.ndarray, seed: int, epoch: int) -> np.ndarray:
-        """Upstream positions of ``positions`` (int64 array in ``[0, N)``) in ``epoch``."""
+    def take(self, positions: np.ndarray, seed: int, epoch: int, rounds: int = ROUNDS) -> np.ndarray:
+        """Upstream positions of ``positions`` (int64 array in ``[0, N)``) in ``epoch``, with
+        permutations of ``rounds`` rounds."""
         positions = np.asarray(positions, dtype=np.int64)
         if positions.size == 0:
             empty: np.ndarray = positions.copy()
@@ -133,7 +134,7 @@ class BlockLayout:
             windows = positions // span
             window_starts = None
         else:
-            block_starts, slot_starts, window_starts = self._table(seed, epoch)
+            block_starts, slot_starts, window_starts = self._table(seed, epoch, rounds)
             windows = np.searchsorted(window_starts, positions, side="right") - 1
         within = np.empty_like(positions)
         for w in np.unique(windows).tolist():
@@ -144,7 +145,7 @@ class BlockLayout:
                 start = int(window_starts[w])
                 size = int(window_starts[w + 1]) - start
             selected = np.flatnonzero(windows == w)
-            perm = self._window_permutation(seed, epoch, w, size)
+            perm = self._window_permutation(seed, epoch, rounds, w, size)
             within[selected] = start + perm.take(positions[selected] - start)
         # ``within`` is now an offset into the concatenation of the permuted blocks.
         if self.bounds is None:
@@ -154,7 +155,7 @@ class BlockLayout:
             blocks = slots.copy()
             permuted = slots < full
             if full:
-                blocks[permuted] = Permutation(full, seed, epoch).take(slots[permuted])
+                blocks[permuted] = Permutation(full, seed, epoch, rounds).take(slots[permuted])
             regular: np.ndarray = blocks * size + rows
             return regular
         slots = np.searchsorted(slot_starts, within, side="right") - 1
@@ -189,6 +190,7 @@ class BlockShuffle(IndexedNode[T]):
     """
 
     kind = "BlockShuffle"
+    _saved_options = {ROUNDS_OPTION: (LEGACY_ROUNDS, ROUNDS)}
 
     def __init__(
         self, upstream: IndexedNode[T], seed: int = 0, block_size: int | str | None = None, window: int | None = None
@@ -217,6 +219,7 @@ class BlockShuffle(IndexedNode[T]):
                 f"{self.kind}: block_size * window must be at most {INT64_MAX:,}, got {block_size} * {window}"
             )
         self.seed = seed
+        self.rounds = ROUNDS  # a restored state may name the legacy rounds it was saved with
         self.block_size: int | str = block_size
         self.window = window
         # Natural blocks belong to a source, whose length is fixed. Fixed-size blocks are laid
@@ -252,8 +255,14 @@ class BlockShuffle(IndexedNode[T]):
         return self.layout(self._epoch).num_blocks
 
     def _leaf_indices(self, positions: np.ndarray, epoch: int) -> np.ndarray:
-        upstream_positions = self.layout(epoch).take(positions, self.seed, epoch)
+        upstream_positions = self.layout(epoch).take(positions, self.seed, epoch, self.rounds)
         return self._parent._leaf_indices(upstream_positions, epoch)
 
     def _config(self) -> dict[str, Any]:
-        return {SEED: self.seed, BLOCK_SIZE: self.block_size, WINDOW: self.window}
+        return {SEED: self.seed, BLOCK_SIZE: self.block_size, WINDOW: self.window, ROUNDS_OPTION: self.rounds}
+
+    def _header_key(self) -> object:
+        return self.rounds
+
+    def _set_saved_option(self, key: str, value: Any, path: str) -> None:
+        self.rounds = saved_rounds(value, path)

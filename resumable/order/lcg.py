@@ -29,12 +29,23 @@ from typing import Iterator
 
 import numpy as np
 
-from resumable.errors import ConfigError
+from resumable.errors import ConfigError, StateError
 
 __all__ = ["Permutation", "permutation_chunks"]
 
-ROUNDS = 4
-"""Multiply-add + xorshift rounds: 3 fail the consecutive-pair chi-square tests at N ~ 1e6; 4 pass."""
+ROUNDS = 6
+"""Multiply-add + xorshift rounds. 3 fail the consecutive-pair chi-square tests at N ~ 1e6; 4
+pass them but keep structure at power-of-two lags (at N = 2**20, ``perm(k + 2**17) - perm(k)``
+takes one value 836 times where a random order gives about 9: a multiplier with few high bits
+carries a high-bit difference down too slowly); 6 leave none (``tests/test_order_adversary.py``)
+for 25% more arithmetic, about 1 ns a record."""
+
+LEGACY_ROUNDS = 4
+"""The rounds of the orders saved before states named them (``ROUNDS_OPTION``): a state without
+the entry continues in the order it was saved in."""
+
+ROUNDS_OPTION = "rounds"
+"""The state entry of a node whose order is a ``Permutation``: the rounds it was made with."""
 
 _MIN_BITS = 4
 """Smallest domain (2**4 = 16) so tiny n still get distinct, varied constants and shifts."""
@@ -64,15 +75,27 @@ def _check_nonnegative_int(name: str, value: object) -> int:
     return value
 
 
+def saved_rounds(value: object, path: str) -> int:
+    """The rounds a saved order was made with (``ROUNDS_OPTION``); StateError unless this
+    library makes such orders."""
+    if type(value) is not int or value not in (LEGACY_ROUNDS, ROUNDS):
+        raise StateError(
+            f"{path}: {ROUNDS_OPTION}={value!r} names no order this library makes ({LEGACY_ROUNDS} or {ROUNDS})"
+        )
+    return value
+
+
 class Permutation:
     """Keyed bijection of [0, n) for one (seed, epoch)."""
 
     n: int
 
-    def __init__(self, n: int, seed: int, epoch: int = 0) -> None:
+    def __init__(self, n: int, seed: int, epoch: int = 0, rounds: int = ROUNDS) -> None:
         self.n = _check_nonnegative_int("n", n)
         seed = _check_nonnegative_int("seed", seed)
         epoch = _check_nonnegative_int("epoch", epoch)
+        if _check_nonnegative_int("rounds", rounds) == 0:
+            raise ConfigError("rounds must be >= 1")
         bits = max(_MIN_BITS, (self.n - 1).bit_length())
         self._mask = (1 << bits) - 1
         self._dtype = np.dtype(np.uint32) if bits <= 32 else np.dtype(np.uint64)
@@ -82,15 +105,15 @@ class Permutation:
         self._walks = self.n < (1 << bits)
         # Round constants: consecutive outputs of a SplitMix64 stream seeded by hash(seed) ^ epoch.
         key = _splitmix64(seed & _M64) ^ (epoch & _M64)
-        draws = [_splitmix64(key + i * _GOLDEN) for i in range(3 * ROUNDS)]
-        rounds: list[tuple[int, int, int]] = []
-        for r in range(ROUNDS):
+        draws = [_splitmix64(key + i * _GOLDEN) for i in range(3 * rounds)]
+        constants: list[tuple[int, int, int]] = []
+        for r in range(rounds):
             a = (draws[3 * r] & self._mask) | 1
             c = (draws[3 * r + 1] & self._mask) | 1
             # Shift about b/2 (never 0 or b), jittered per round so rounds do not align.
             s = max(1, min(bits - 1, (bits + 1) // 2 + draws[3 * r + 2] % 3 - 1))
-            rounds.append((a, c, s))
-        self._rounds = tuple(rounds)
+            constants.append((a, c, s))
+        self._rounds = tuple(constants)
 
     def __len__(self) -> int:
         return self.n

@@ -8,7 +8,7 @@ import numpy as np
 
 from resumable.core.indexed import IndexedNode
 from resumable.core.options import seed_option
-from resumable.order.lcg import Permutation
+from resumable.order.lcg import LEGACY_ROUNDS, ROUNDS, ROUNDS_OPTION, Permutation, saved_rounds
 
 T = TypeVar("T")
 
@@ -23,10 +23,12 @@ class Shuffle(IndexedNode[T]):
     """
 
     kind = "Shuffle"
+    _saved_options = {ROUNDS_OPTION: (LEGACY_ROUNDS, ROUNDS)}
 
     def __init__(self, upstream: IndexedNode[T], seed: int = 0) -> None:
         super().__init__(upstream)
         self.seed = seed_option(self.kind, SEED, seed)
+        self.rounds = ROUNDS  # a restored state may name the legacy rounds it was saved with
         self._permutation: tuple[int, int, Permutation] | None = None
 
     def __len__(self) -> int:
@@ -38,7 +40,7 @@ class Shuffle(IndexedNode[T]):
         total = self._length(epoch)
         cached = self._permutation
         if cached is None or cached[0] != epoch or cached[1] != total:
-            cached = self._permutation = (epoch, total, Permutation(total, self.seed, epoch))
+            cached = self._permutation = (epoch, total, Permutation(total, self.seed, epoch, self.rounds))
         return cached[2]
 
     def _leaf_indices(self, positions: np.ndarray, epoch: int) -> np.ndarray:
@@ -46,4 +48,11 @@ class Shuffle(IndexedNode[T]):
         return self._parent._leaf_indices(permuted, epoch)
 
     def _config(self) -> dict[str, Any]:
-        return {SEED: self.seed}
+        return {SEED: self.seed, ROUNDS_OPTION: self.rounds}
+
+    def _header_key(self) -> object:
+        return self.rounds
+
+    def _set_saved_option(self, key: str, value: Any, path: str) -> None:
+        self.rounds = saved_rounds(value, path)
+        self._permutation = None

@@ -39,7 +39,7 @@ from resumable.core.state import (
     short_repr,
 )
 from resumable.errors import ConfigError, SourceError, StateError
-from resumable.order.lcg import Permutation
+from resumable.order.lcg import LEGACY_ROUNDS, ROUNDS, ROUNDS_OPTION, Permutation, saved_rounds
 from resumable.order.topology import TOPOLOGY_KEYS, Consumer, Topology
 from resumable.sources._line_scan import UTF8_BOM
 from resumable.sources.files import (
@@ -89,6 +89,7 @@ class JsonlStream(WatchedIdentity, Node[Any], InheritedByForks):
     """
 
     kind = "JsonlStream"
+    _saved_options = {ROUNDS_OPTION: (LEGACY_ROUNDS, ROUNDS)}  # of the file order with shuffle_files
     _reads_upstream = False
 
     def __init__(
@@ -119,6 +120,7 @@ class JsonlStream(WatchedIdentity, Node[Any], InheritedByForks):
         self._fetched = FetchCounts()  # ranged reads of remote objects, in this process
         self.on_error = on_error
         self.shuffle_files = shuffle_files
+        self.rounds = ROUNDS  # a restored state may name the legacy rounds it was saved with
         self._epoch = 0
         self._queue: list[list[int]] | None = None  # [file, offset, line] work items; None: not yet assigned
         self._next_queue: list[list[int]] | None = None  # the next epoch's, after a rescale; None: its share
@@ -165,7 +167,7 @@ class JsonlStream(WatchedIdentity, Node[Any], InheritedByForks):
         epoch's file order."""
         order = np.arange(len(self.paths), dtype=np.int64)
         if self.shuffle_files is not None:
-            order = Permutation(len(self.paths), self.shuffle_files, epoch).take(order)
+            order = Permutation(len(self.paths), self.shuffle_files, epoch, self.rounds).take(order)
         return [[file, 0, 0] for file in order[consumer::num_consumers].tolist()]
 
     # -- iteration ----------------------------------------------------------------------------
@@ -358,15 +360,24 @@ class JsonlStream(WatchedIdentity, Node[Any], InheritedByForks):
         self._next_queue = None
         self._last = None
         self._ended = False
+        self._renew_saved_options()
 
     def _shutdown(self) -> None:
         self._close_handle()
 
     def _config(self) -> dict[str, Any]:
-        return {ON_ERROR: self.on_error, SHUFFLE_FILES: self.shuffle_files, **self.topology.config()}
+        return {
+            ON_ERROR: self.on_error,
+            SHUFFLE_FILES: self.shuffle_files,
+            ROUNDS_OPTION: self.rounds,
+            **self.topology.config(),
+        }
 
     def _header_key(self) -> object:
-        return (self.topology, super()._header_key())
+        return (self.topology, self.rounds, super()._header_key())
+
+    def _set_saved_option(self, key: str, value: Any, path: str) -> None:
+        self.rounds = saved_rounds(value, path)
 
     def _progress(self) -> dict[str, Any]:
         progress = {EPOCH: self._epoch, QUEUE: [list(item) for item in self.queue]}
@@ -412,7 +423,8 @@ class JsonlStream(WatchedIdentity, Node[Any], InheritedByForks):
         """A share of every old consumer's work items, dealt out one by one. When old consumers
         straddle an epoch boundary, the next epoch's work items are dealt out too: the queues of
         those already in it, and the whole share of those that are not."""
-        config = {key: value for key, value in self._config().items() if key not in TOPOLOGY_KEYS}
+        self._take_saved_options(olds, path)
+        config = {key: value for key, value in self._checked_config().items() if key not in TOPOLOGY_KEYS}
         epochs = require_adjacent_epochs(olds, EPOCH, path)
         first = min(epochs)
         straddle = max(epochs) > first or any(NEXT_QUEUE in old for old in olds)

@@ -123,7 +123,8 @@ def test_ranks_split_by_object_and_resume(s3: dict[str, Any]) -> None:
 
 
 def test_a_plain_object_resumes_by_a_read_from_its_offset(s3: dict[str, Any]) -> None:
-    """The resumed stream fetches only the bytes from the saved offset on, however far in."""
+    """The resumed stream fetches only the bytes from the saved offset on (and the one before
+    it, which shows that the offset starts a line), however far in."""
     path = s3["parts"][0]
     where = f"s3://{BUCKET}/{part_key(0)}"
     stream = source(s3, where)
@@ -134,8 +135,8 @@ def test_a_plain_object_resumes_by_a_read_from_its_offset(s3: dict[str, Any]) ->
     resumed = source(s3, where)
     resumed.set_state(roundtrip(state))
     assert head + list(resumed) == list(rs.jsonl_stream(path))
-    assert resumed.stats["bytes_fetched"] == os.path.getsize(path) - offset
-    assert resumed.stats["requests"] == math.ceil((os.path.getsize(path) - offset) / CHUNK)
+    assert resumed.stats["bytes_fetched"] == os.path.getsize(path) - offset + 1
+    assert resumed.stats["requests"] == math.ceil((os.path.getsize(path) - offset + 1) / CHUNK)
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])

@@ -265,7 +265,7 @@ def test_touched_gzip_restores_by_its_trailer_a_touched_plain_file_cannot(tmp_pa
     stream = rs.jsonl_stream([gz, plain])
     take(stream, 4)
     state = stream.get_state()
-    assert state["files"][0][3].startswith("gzip-trailer:") and state["files"][1][3] is None
+    assert state["files"][0][3].startswith("gzip-tail:") and state["files"][1][3] is None
     expected = take(stream, 10)
     touch(gz)
     resumed = rs.jsonl_stream([gz, plain])

@@ -34,8 +34,10 @@ LOCK_SUFFIX = ".lock"
 """Suffix of the lock file beside a remote object's sidecar while it is built."""
 CACHE_DIR_ENV = "RESUMABLE_CACHE_DIR"
 DEFAULT_CACHE_DIR = os.path.join("~", ".cache", "resumable", "index")
-CACHE_NAME_CHARS = 80
-"""Longest piece of the data file's basename kept in a cache sidecar's name (readability only)."""
+CACHE_NAME_BYTES = 80
+"""Longest piece (in bytes, whole characters) of the data file's basename kept in a cache
+sidecar's name, for readability: with the hash and suffixes, the name stays under the 255 bytes
+a file name may have, whatever the script."""
 CACHE_HASH_CHARS = 16
 
 SIDECAR_MAGIC = b"RSLNIDX\x00"
@@ -123,8 +125,7 @@ def cache_path(path: str, cache_dir: str | None) -> str:
     root = os.path.expanduser(cache_dir or os.environ.get(CACHE_DIR_ENV) or DEFAULT_CACHE_DIR)
     absolute = os.path.realpath(path)
     digest = hashlib.sha256(os.fsencode(absolute)).hexdigest()[:CACHE_HASH_CHARS]
-    name = os.path.basename(absolute)[:CACHE_NAME_CHARS]
-    return os.path.join(root, f"{name}.{digest}{SIDECAR_SUFFIX}")
+    return os.path.join(root, f"{_readable(os.path.basename(absolute))}.{digest}{SIDECAR_SUFFIX}")
 
 
 def remote_cache_path(url: str, edge_digest: str, cache_dir: str | None) -> str:
@@ -132,8 +133,12 @@ def remote_cache_path(url: str, edge_digest: str, cache_dir: str | None) -> str:
     and the object's edge digest, so a replaced object gets a sidecar of its own."""
     root = os.path.expanduser(cache_dir or os.environ.get(CACHE_DIR_ENV) or DEFAULT_CACHE_DIR)
     digest = hashlib.sha256(f"{url}\0{edge_digest}".encode()).hexdigest()[:CACHE_HASH_CHARS]
-    name = url.rstrip("/").rpartition("/")[2][:CACHE_NAME_CHARS]
-    return os.path.join(root, f"{name}.{digest}{SIDECAR_SUFFIX}")
+    return os.path.join(root, f"{_readable(url.rstrip('/').rpartition('/')[2])}.{digest}{SIDECAR_SUFFIX}")
+
+
+def _readable(name: str) -> str:
+    """The first ``CACHE_NAME_BYTES`` bytes of ``name``, cut at a character boundary."""
+    return os.fsencode(name)[:CACHE_NAME_BYTES].decode("utf-8", "ignore")
 
 
 @contextlib.contextmanager

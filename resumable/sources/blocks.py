@@ -33,7 +33,7 @@ import xxhash
 
 from resumable._forks import InheritedByForks, Settle, at_fork, inherited
 from resumable.core.options import directory_option, int_option
-from resumable.errors import ConfigError
+from resumable.errors import ConfigError, SourceError
 from resumable.sources import _sidecar
 from resumable.sources.chunk_cache import ChunkCache
 from resumable.sources.remote import ObjectInfo, Remote
@@ -172,6 +172,7 @@ class BlockReader:
         self.width = blocks.options.block_bytes
         identity = f"{name}\0{info.size}\0{info.version}\0{self.width}"
         self.key = xxhash.xxh3_128_hexdigest(identity.encode())
+        self.info = info
         self._handle = handle
         self._open_lock = threading.Lock()
 
@@ -273,6 +274,7 @@ class BlockReader:
         tiers = self.blocks
         try:
             loaded: dict[int, bytes] = {}
+            fetched_blocks: dict[int, bytes] = {}
             if tiers.disk is not None:
                 for block in range(first, stop):
                     data = tiers.disk.get(self.key, block)
@@ -287,16 +289,32 @@ class BlockReader:
                 fetched += len(data)
                 requests += 1
                 for block in range(a, b):
-                    piece = data[(block - a) * self.width : (block - a + 1) * self.width]
-                    loaded[block] = piece
-                    if tiers.disk is not None:
-                        tiers.disk.put(self.key, block, piece)
+                    loaded[block] = fetched_blocks[block] = data[
+                        (block - a) * self.width : (block - a + 1) * self.width
+                    ]
+            if tiers.disk is not None and fetched_blocks:  # before the load completes: then on disk
+                self._store_confirmed(tiers.disk, fetched_blocks)
         except BaseException as error:
             self._settle(first, stop, future, None)
             future.set_exception(error)
             return
         self._settle(first, stop, future, loaded, hits, fetched, requests)
         future.set_result(loaded)
+
+    def _store_confirmed(self, disk: ChunkCache, fetched: dict[int, bytes]) -> None:
+        """Store fetched blocks in the disk tier if a HEAD made after their fetch finds the
+        object still the version (and modification time) this reader opened, else drop them
+        (the source's watch reports the change): a ranged read returns whatever the object is
+        when it runs, and a replaced object's bytes must never reach a later run under the old
+        version's key. Filling the cache costs a HEAD per fetch; reading from it none."""
+        try:
+            now, handle = self.remote.head(self.name, self.kind)
+            handle.close()
+        except SourceError:
+            return  # unconfirmed: not cached
+        if (now.version, now.size, now.mtime_ns) == (self.info.version, self.info.size, self.info.mtime_ns):
+            for block, data in fetched.items():
+                disk.put(self.key, block, data)
 
     def _settle(
         self,

@@ -22,6 +22,7 @@ import pyarrow as pa
 
 from resumable.core.state import require, short_repr
 from resumable.errors import ConfigError, SourceError, StateError
+from resumable.sources._sidecar import LOCK_SUFFIX, SIDECAR_SUFFIX
 
 PathLike = Union[str, "os.PathLike[str]"]
 Paths = Union[PathLike, Sequence[PathLike]]
@@ -76,8 +77,14 @@ def path_patterns(paths: Any, kind: str) -> list[str]:
     raise ConfigError(f"{kind}: paths must be a path or glob, or a list of them (str or os.PathLike), got {paths!r}")
 
 
+OWN_FILES = (SIDECAR_SUFFIX, SIDECAR_SUFFIX + LOCK_SUFFIX)
+"""Endings of the files this library writes beside data files (line indices): never data, so
+a glob such as ``data/*`` leaves them out."""
+
+
 def expand_paths(paths: Paths, kind: str) -> list[str]:
-    """Expand globs (sorted, so every process agrees on the order) and check each file exists.
+    """Expand globs (sorted, so every process agrees on the order; the line indices this library
+    writes beside data files left out) and check each file exists.
 
     Explicit paths keep the order given; a glob that matches nothing, a missing file or a
     directory raises SourceError naming it.
@@ -93,7 +100,11 @@ def expand_paths(paths: Paths, kind: str) -> list[str]:
                 "and rs.arrow (with storage_options= or filesystem=)"
             )
         if glob.has_magic(pattern):
-            matches = sorted(match for match in glob.glob(pattern, recursive=True) if os.path.isfile(match))
+            matches = sorted(
+                match
+                for match in glob.glob(pattern, recursive=True)
+                if os.path.isfile(match) and not match.endswith(OWN_FILES)
+            )
             if not matches:
                 raise SourceError(f"{kind}: no files match {pattern!r}")
             files.extend(matches)
@@ -121,12 +132,17 @@ def reading(where: str) -> Iterator[None]:
         raise read_error(where, error) from error
 
 
+class FileGone(SourceError):
+    """A data file that can no longer be stat'ed (removed, or its directory unreadable): a
+    source that skips what it cannot read (``on_error="skip"``) skips it too."""
+
+
 def stat(path: str, kind: str) -> os.stat_result:
-    """``os.stat(path)``, or ``SourceError`` naming the file when it is gone or unreadable."""
+    """``os.stat(path)``, or ``FileGone`` naming the file when it is gone or unreadable."""
     try:
         return os.stat(path)
     except OSError as error:
-        raise SourceError(f"{kind}: cannot stat {path!r}: {error}") from error
+        raise FileGone(f"{kind}: cannot stat {path!r}: {error}") from error
 
 
 def local_stat(path: str, kind: str) -> tuple[int, int]:
@@ -274,8 +290,9 @@ class WatchedFiles:
             old = _parse(saved_file, path)
             if os.path.basename(old[NAME]) != os.path.basename(now[NAME]):
                 raise StateError(f"{path}: state was saved over file {old[NAME]!r} where this source has {now[NAME]!r}")
-            same_digest = same_content(old[DIGEST], now[DIGEST])
-            known_other = old[DIGEST] is not None and now[DIGEST] is not None and not same_digest
+            old_digest, new_digest = comparable(old[DIGEST], now[DIGEST])
+            same_digest = same_content(old_digest, new_digest)
+            known_other = old_digest is not None and new_digest is not None and not same_digest
             if old[SIZE] == now[SIZE] and not known_other and (old[MTIME_NS] == now[MTIME_NS] or same_digest):
                 continue
             if old[SIZE] != now[SIZE]:
@@ -294,6 +311,19 @@ class WatchedFiles:
 def with_version(content: str | None, version: str) -> str:
     """A remote object's digest: its content digest and its version (``VERSION_SEPARATOR``)."""
     return f"{content}{VERSION_SEPARATOR}{version}"
+
+
+RETIRED_DIGESTS = ("gzip-trailer:",)
+"""Digest kinds states saved by earlier versions may hold that this version no longer makes (a
+gzip file's bare trailer: the padding's zeros, for a zero-padded file)."""
+
+
+def comparable(old: str | None, new: str | None) -> tuple[str | None, str | None]:
+    """Two digests as they compare: as they are, or neither where the saved one is of a kind
+    this version no longer makes (as if the state held none: the mtime must match)."""
+    if old is not None and old.startswith(RETIRED_DIGESTS):
+        return None, new
+    return old, new
 
 
 def same_content(old: str | None, new: str | None) -> bool:

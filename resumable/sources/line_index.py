@@ -389,6 +389,8 @@ def content_digest_in(cache_dir: str | None) -> Callable[[str], str]:
 def _read_ahead_chunks(remote: Remote, handle: pa.NativeFile, url: str, size: int, kind: str) -> Iterator[bytes]:
     """The object's bytes in ``CHUNK_SIZE`` ranged reads, each started while the previous one is
     consumed (a thread of the fetch pool), so scanning overlaps the network."""
+    if size == 0:  # an empty object: no reads (its index is empty, as a local empty file's)
+        return
     pool = fetch_pool()
     offsets = range(0, size, CHUNK_SIZE)
     ahead = [

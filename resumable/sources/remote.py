@@ -19,7 +19,6 @@ bad credentials), is a ``SourceError`` naming the URL and the cause.
 from __future__ import annotations
 
 import calendar
-import fnmatch
 import glob
 import os
 import random
@@ -224,13 +223,15 @@ class Remote:
             base = path[: min(path.find(c) for c in "*?[" if c in path)].rpartition("/")[0]
             selector = pafs.FileSelector(base, allow_not_found=True, recursive=True)
             infos = self.call(f"{kind}: cannot list {pattern!r}", lambda: self.filesystem.get_file_info(selector))
+            wanted = glob_regex(path)
             matches = sorted(
-                scheme + info.path
-                for info in infos
-                if info.type == pafs.FileType.File and fnmatch.fnmatchcase(info.path, path)
+                scheme + info.path for info in infos if info.type == pafs.FileType.File and wanted.fullmatch(info.path)
             )
             if not matches:
-                raise SourceError(f"{kind}: no objects match {pattern!r}")
+                bucket = path.split("/", 1)[0]
+                found = self.call(f"{kind}: cannot list {pattern!r}", lambda: self.filesystem.get_file_info(bucket))
+                cause = f": no such bucket {bucket!r}" if found.type == pafs.FileType.NotFound else ""
+                raise SourceError(f"{kind}: no objects match {pattern!r}{cause}")
             names.extend(matches)
         return names
 
@@ -247,6 +248,42 @@ def _object_digest(
     info, handle = remote.head(name, kind)
     with handle:
         return with_version(file_digest(handle), info.version)
+
+
+def glob_regex(pattern: str) -> re.Pattern[str]:
+    """``pattern`` as a regular expression over object paths, with the meaning a local
+    ``glob.glob(pattern, recursive=True)`` gives it: ``*``, ``?`` and ``[...]`` within one path
+    segment, ``**`` as a whole segment for any number of directories (none included), and no
+    wildcard matching a name that starts with a dot."""
+    parts = pattern.split("/")
+    regex = ""
+    for at, part in enumerate(parts):
+        last = at == len(parts) - 1
+        if part == "**":
+            regex += r"(?:(?!\.)[^/]+/)*" + (r"(?!\.)[^/]+" if last else "")
+            continue
+        regex += _segment_regex(part) + ("" if last else "/")
+    return re.compile(regex)
+
+
+def _segment_regex(part: str) -> str:
+    """One path segment of a glob as a regular expression (``fnmatch`` rules, within ``/``)."""
+    out = r"(?!\.)" if part[:1] in ("*", "?", "[") else ""
+    at = 0
+    while at < len(part):
+        char = part[at]
+        at += 1
+        if char == "*":
+            out += "[^/]*"
+        elif char == "?":
+            out += "[^/]"
+        elif char == "[" and (end := part.find("]", at + (part[at : at + 1] in ("!", "]")))) != -1:
+            inner = part[at:end].replace("\\", "\\\\")
+            out += "[" + ("^" + inner[1:] if inner.startswith("!") else inner) + "]"
+            at = end + 1
+        else:
+            out += re.escape(char)
+    return out
 
 
 def object_path(name: str) -> str:

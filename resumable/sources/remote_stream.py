@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Union
 
+import xxhash
+
 from resumable.sources.remote import ETAG_PREFIX, Remote
 
 CHUNK_BYTES = 8 << 20
@@ -39,8 +41,26 @@ POLL_S = 0.1
 """Seconds the read-ahead thread waits for room in its queue before it checks again whether the
 stream was closed: a closed stream's thread ends within one request plus this."""
 GZIP_SUFFIX = ".gz"
-GZIP_TRAILER_BYTES = 8
-"""A gzip member ends with the CRC-32 and the length (mod 2**32) of its uncompressed content."""
+GZIP_TAIL_BYTES = 64 << 10
+"""The bytes at the end of a gzip file a content digest reads (``gzip_tail_digest``)."""
+GZIP_DIGESTED_BYTES = 64
+"""The bytes before any zero padding that the digest hashes: the last member's trailer (CRC-32
+and length of its content) and the compressed bytes before it."""
+
+
+def gzip_tail_digest(tail: bytes, size: int) -> str | None:
+    """The content digest of a gzip file of ``size`` bytes from its last bytes ``tail``: an
+    xxh3 of the last ``GZIP_DIGESTED_BYTES`` before any trailing zero padding (which some
+    writers add up to a block) and of the padding's length; a constant for an empty file; None
+    where ``tail`` is all padding. The trailer alone would be the padding's zeros, the same for
+    any padded file of that size."""
+    if size == 0:
+        return "gzip-tail:empty"
+    data = tail.rstrip(b"\0")
+    if not data:
+        return None
+    padding = len(tail) - len(data)
+    return f"gzip-tail:{xxhash.xxh3_64_hexdigest(data[-GZIP_DIGESTED_BYTES:] + padding.to_bytes(8, 'little'))}"
 
 
 @dataclass
@@ -249,15 +269,14 @@ class _GzipObject(gzip.GzipFile):
 
 
 def gzip_trailer(remote: Remote, kind: str, name: str) -> str | None:
-    """A ``Digest`` of objects: a gzip object's trailer (CRC-32 and length of its content, as
-    ``stream.gzip_digest`` reads locally) by one ranged read of its last 8 bytes; for a plain
-    object its ETag where the store reports one (the HEAD that opening it costs), so that an
-    object replaced within the same second by one of the same size is still told apart."""
+    """A ``Digest`` of objects: a gzip object's ``gzip_tail_digest`` (as ``stream.gzip_digest``
+    computes it locally) by one ranged read of its tail; for a plain object its ETag where the
+    store reports one (the HEAD that opening it costs), so that an object replaced within the
+    same second by one of the same size is still told apart."""
     info, handle = remote.head(name, kind)
     with handle:
         if not is_gzip(name):
             return info.version if info.version.startswith(ETAG_PREFIX) else None
-        if info.size < GZIP_TRAILER_BYTES:
-            return None
-        tail = remote.read_at(handle, name, info.size - GZIP_TRAILER_BYTES, GZIP_TRAILER_BYTES, kind)
-        return f"gzip-trailer:{tail.hex()}"
+        length = min(info.size, GZIP_TAIL_BYTES)
+        tail = remote.read_at(handle, name, info.size - length, length, kind) if length else b""
+        return gzip_tail_digest(tail, info.size)

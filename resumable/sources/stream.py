@@ -44,6 +44,7 @@ from resumable.order.topology import TOPOLOGY_KEYS, Consumer, Topology
 from resumable.sources._line_scan import UTF8_BOM
 from resumable.sources.files import (
     READ_ERRORS,
+    FileGone,
     Paths,
     WatchedFiles,
     WatchedIdentity,
@@ -53,8 +54,9 @@ from resumable.sources.files import (
 from resumable.sources.remote import FRESH_SECONDS, resolve
 from resumable.sources.remote_stream import (
     CHUNK_BYTES,
-    GZIP_TRAILER_BYTES,
+    GZIP_TAIL_BYTES,
     FetchCounts,
+    gzip_tail_digest,
     gzip_trailer,
     is_gzip,
     open_object,
@@ -71,6 +73,8 @@ NEXT_QUEUE = "next_queue"
 sides of an epoch boundary, as after ``.repeat()``); absent otherwise."""
 
 OFFSET_BITS = 40  # a record key packs (file, byte offset): offsets below 1 TiB per file
+OFFSET_MAX = (1 << OFFSET_BITS) - 1
+"""The largest byte offset of a line a stream reads: a larger file (or gzip content) is refused."""
 LOGGED_SKIPS = 10
 MAX_DEFLATE_RATIO = 1032
 """Deflate expands a compressed byte into at most this many: a bound on a gzip file's content."""
@@ -116,6 +120,9 @@ class JsonlStream(WatchedIdentity, Node[Any], InheritedByForks):
         else:
             digest = partial(gzip_trailer, self._remote, self.kind)
             self._files = WatchedFiles.of(self.kind, self.paths, digest, self._remote.stat, FRESH_SECONDS)
+        for file, path in enumerate(self.paths):
+            if not is_gzip(path) and self._files.size(file) > OFFSET_MAX:
+                raise SourceError(f"{self.kind}: {path!r} is larger than {OFFSET_MAX + 1:,} bytes; split it")
         self.chunk_bytes = chunk_bytes
         self._fetched = FetchCounts()  # ranged reads of remote objects, in this process
         self.on_error = on_error
@@ -179,9 +186,10 @@ class JsonlStream(WatchedIdentity, Node[Any], InheritedByForks):
             try:
                 handle = self._handle or self._open(file, offset)
                 raw = handle.readline()
-            except READ_ERRORS as error:
+            except (*READ_ERRORS, FileGone) as error:
                 self._close_handle()
-                failure = read_error(f"{self.kind}: cannot read {self.paths[file]}:{line + 1}", error)
+                where = f"{self.kind}: cannot read {self.paths[file]}:{line + 1}"
+                failure = error if isinstance(error, FileGone) else read_error(where, error)
                 if self.on_error != "skip":
                     raise failure from error
                 self._skip_unreadable(failure)
@@ -194,6 +202,12 @@ class JsonlStream(WatchedIdentity, Node[Any], InheritedByForks):
             queue[0] = [file, offset + len(raw), line + 1]
             if offset == 0:  # a file's first line; the others pay one comparison
                 raw = _without_bom(raw)
+            elif offset > OFFSET_MAX:  # a gzip file's content past what a record key holds
+                self._close_handle()
+                raise SourceError(
+                    f"{self.kind}: {self.paths[file]}:{line + 1}: the content is larger than {OFFSET_MAX + 1:,} bytes; "
+                    "split the file"
+                )
             if not raw.strip():
                 continue
             try:
@@ -209,7 +223,7 @@ class JsonlStream(WatchedIdentity, Node[Any], InheritedByForks):
         """Open file ``file`` (checked unchanged) at decompressed byte ``offset``."""
         self._files.check(file)
         path = self.paths[file]
-        handle, reached = self._open_at(file, offset)
+        handle, reached = self._open_at(file, max(offset - 1, 0))  # from the byte before a line
         if self._remote is None:
             try:
                 self._files.check_opened(file, handle.fileno())
@@ -218,6 +232,15 @@ class JsonlStream(WatchedIdentity, Node[Any], InheritedByForks):
                 raise
         self._handle, self._handle_closer = handle, weakref.finalize(self, handle.close)
         self._handle_pid = os.getpid()
+        if offset and reached == offset - 1:
+            before = handle.read(1)  # a line starts after a newline (or the content ends)
+            reached += len(before)
+            if before and before != b"\n" and handle.read(1):
+                self._close_handle()
+                raise StateError(
+                    f"{self.kind}: the state's byte offset {offset} in {path!r} is not the start of a line: the state "
+                    "was not taken over this file"
+                )
         if reached != offset:
             self._close_handle()
             raise StateError(
@@ -286,7 +309,7 @@ class JsonlStream(WatchedIdentity, Node[Any], InheritedByForks):
         wanted: dict[int, list[tuple[int, int]]] = {}  # file -> [(offset, slot)]
         for slot, key in enumerate(keys):
             packed = leaf_key(key, self.kind)[1]
-            file, offset = packed >> OFFSET_BITS, packed & ((1 << OFFSET_BITS) - 1)
+            file, offset = packed >> OFFSET_BITS, packed & OFFSET_MAX
             if not 0 <= file < len(self.paths):
                 raise IndexError(f"{self.kind}: record key {key!r} names no file")
             wanted.setdefault(file, []).append((offset, slot))
@@ -410,6 +433,9 @@ class JsonlStream(WatchedIdentity, Node[Any], InheritedByForks):
                     f"{path}: queue entry {item!r} points past the end of {self.paths[item[0]]!r} "
                     f"(byte offsets there are at most {limit})"
                 )
+        files = [item[0] for item in items]
+        if len(set(files)) != len(files):
+            raise StateError(f"{path}: the queue names a file twice ({short_repr(items)}); no state of it does")
         return [list(item) for item in items]
 
     def _offset_limit(self, file: int) -> int:
@@ -417,7 +443,7 @@ class JsonlStream(WatchedIdentity, Node[Any], InheritedByForks):
         can decompress to; never past what a record key can pack."""
         size = self._files.size(file)
         content = size * MAX_DEFLATE_RATIO if is_gzip(self.paths[file]) else size
-        return min(content, (1 << OFFSET_BITS) - 1)
+        return min(content, OFFSET_MAX)
 
     def _rescale(self, olds: list[dict[str, Any]], path: str, consumer: int, num_consumers: int) -> dict[str, Any]:
         """A share of every old consumer's work items, dealt out one by one. When old consumers
@@ -483,17 +509,14 @@ def _open(path: str) -> io.BufferedIOBase:
 
 
 def gzip_digest(path: str) -> str | None:
-    """A gzip file's trailer (CRC-32 and length of its content, of the last member: the whole
-    content for files written in one go), read from its last 8 bytes; None for plain files,
-    which have no cheap digest."""
+    """A gzip file's ``gzip_tail_digest`` (its last member's trailer and what precedes it,
+    past any zero padding); None for plain files, which have no cheap digest."""
     if not is_gzip(path):
         return None
     with open(path, "rb") as handle:
         size = handle.seek(0, os.SEEK_END)
-        if size < GZIP_TRAILER_BYTES:
-            return None
-        handle.seek(size - GZIP_TRAILER_BYTES)
-        return f"gzip-trailer:{handle.read(GZIP_TRAILER_BYTES).hex()}"
+        handle.seek(max(0, size - GZIP_TAIL_BYTES))
+        return gzip_tail_digest(handle.read(), size)
 
 
 def jsonl_stream(

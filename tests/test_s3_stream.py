@@ -29,6 +29,7 @@ from tests.resume import check_resume, loader_batches, restored, roundtrip, take
 from tests.s3proxy import FaultProxy
 from tests.s3server import BUCKET, KEY_ID, REGION, SECRET, S3Server
 from tests.sources import _file
+from tests.watching import wait_until
 
 RECORDS = [{"id": i, "text": f"line {i} " + "w" * (i % 31)} for i in range(96)]
 PARTS = 4
@@ -74,6 +75,14 @@ def record_id(record: dict[str, Any]) -> int:
 
 def read_ahead_threads() -> list[threading.Thread]:
     return [thread for thread in threading.enumerate() if thread.name.startswith("resumable read-ahead")]
+
+
+@pytest.fixture(autouse=True)
+def no_read_ahead_of_earlier_tests() -> None:
+    """Streams that earlier tests (of any file) left in reference cycles are collected first, so
+    their read-ahead threads end and the counts here are this test's own."""
+    gc.collect()
+    wait_until(lambda: not read_ahead_threads(), "the read-ahead threads of earlier tests to end")
 
 
 def test_same_records_as_the_local_files_each_byte_fetched_once(s3: dict[str, Any]) -> None:

@@ -178,7 +178,22 @@ def rescaled_states(pipelines: Sequence[Node[Any]], old_states: Sequence[OldStat
             )
     if exact:
         return [_as_consumer(olds[consumer], topology) for consumer, topology in zip(consumers, topologies)]
+    _take_saved_options(list(pipelines), olds, kind)
     return _rescale_node(list(pipelines), olds, kind, consumers, num_consumers)
+
+
+def _take_saved_options(nodes: list[Node[Any]], olds: list[dict[str, Any]], path: str) -> None:
+    """Before any rescale work, each node of the new pipelines takes the options the old
+    consumers' states set (``Node._saved_options``: a shuffle's rounds), which they must agree
+    on, so that what the rescale reads or plans through them is in the old consumers' order."""
+    node = nodes[0]
+    if node._saved_options:
+        node._take_saved_options(olds, path)
+        for other in nodes[1:]:
+            other._take_saved_options([node._config()], path)
+    for where, child in node._children().items():
+        children = [each._children()[where] for each in nodes]
+        _take_saved_options(children, _nested_all(olds, where, path), child_path(path, where, child.kind))
 
 
 @contextmanager
@@ -389,14 +404,9 @@ def _rescale_indexed(cursors: list[IndexedNode[Any]], olds: list[dict[str, Any]]
 
     for node, (states, where) in zip(chains[0], levels):
         if not isinstance(node, Shard):
-            distinct = _distinct(states)
-            node._take_saved_options(distinct, where)  # one value over all old consumers
-            for state in distinct:
+            for state in _distinct(states):
                 node._check_config(state, where)
-    for chain in chains[1:]:  # every new consumer continues in the old consumers' orders
-        for node, first_node, (_, where) in zip(chain, chains[0], levels):
-            node._take_saved_options([first_node._config()], where)
-    shard, reading_orders = _shard_and_orders(cursors[0])  # as the old consumers read
+    shard, reading_orders = _shard_and_orders(cursors[0])
     depth = chains[0].index(shard)
     remap, next_remap = _new_remaps(shard, levels[depth][0], epochs, positions, reading_orders, levels[depth][1])
     rescaled = []

@@ -545,3 +545,33 @@ def test_a_damaged_per_rank_string_is_a_state_error() -> None:
     with pytest.raises(rs.StateError, match="PerRank: rank 0 of 1: the stored state is not valid JSON"):
         rst.PerRank(loader).load_state_dict({"rank_0": encoded[:-3]})
     assert batches(loader) == batches(Loader(small))
+
+
+def test_a_loader_iterator_copied_into_a_forked_child_is_dropped_there_quietly() -> None:
+    """A process forked while a Loader iterates (another loader's worker, a multiprocessing
+    child) holds a copy of the iterator; collected there, it leaves the parent's workers, queues
+    and threads alone, with nothing on stderr (it printed an AssertionError from
+    ``_shutdown_workers``: "can only test a child process")."""
+    import multiprocessing
+    import os
+    import sys
+
+    with Loader(build, num_workers=2) as loader:
+        held = [iter(loader)]
+        first = next(held[0])
+
+        def drop_the_copy() -> None:
+            raised: list[Any] = []
+            sys.unraisablehook = raised.append
+            held.clear()
+            loader._iterator = None  # the copy's last reference
+            gc.collect()
+            os._exit(len(raised))
+
+        child = multiprocessing.get_context("fork").Process(target=drop_the_copy)
+        child.start()
+        child.join()
+        assert child.exitcode == 0
+        rest = list(held[0])
+    with Loader(build, num_workers=2) as reference:
+        assert [np.asarray(b).tolist() for b in [first, *rest]] == [np.asarray(b).tolist() for b in reference]

@@ -842,8 +842,9 @@ def loader_epochs(loader: Any, epochs: int, stop: int | None = None) -> tuple[li
 @pytest.mark.parametrize("config", LOADER_CONFIGS, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 def test_a_mix_inside_a_loader_resumes_from_its_state_dict(config: dict[str, Any]) -> None:
     factory = functools.partial(loader_pipeline, "drop")
-    expected, _ = loader_epochs(rs.torch.Loader(factory, **config), 2)
-    per_epoch = len(expected) // 2
+    reference = rs.torch.Loader(factory, **config)
+    per_epoch = len(loader_epochs(reference, 1)[0])  # the epochs' batch counts may differ by one
+    expected = loader_epochs(rs.torch.Loader(factory, **config), 2)[0]
     assert sorted(x for batch in expected[:per_epoch] for x in batch) == sorted(
         [*range(30), *(x for x in range(1000, 1011) if x % 3), *range(5000, 5004)]
     )

@@ -358,7 +358,7 @@ STATE_CORPUS = corpus([3, 4, 5, 6, 20, 2, 3, 1, 7])
 
 
 def build_first_fit() -> Pack:
-    return rs.from_list(STATE_CORPUS).shuffle(4).pack(8, strategy="first_fit", buffer_size=3)
+    return rs.from_list(STATE_CORPUS).shuffle(5).pack(8, strategy="first_fit", buffer_size=3)
 
 
 def long_record() -> int:

@@ -11,6 +11,7 @@ torchdata fails there, loudly, rather than deep inside a training job.
 
 from __future__ import annotations
 
+import os
 from types import FunctionType
 from typing import Any, NamedTuple, cast
 
@@ -132,14 +133,20 @@ class _MultiProcessIterator(_Bounded, _StatefulMultiProcessingDataLoaderIter):  
     # The registry, reached through the class: an iterator still alive when the interpreter
     # exits (a script's global) is deleted after the module's globals are cleared.
     _live_queues = _QUEUES_OF_LIVE_ITERATORS
+    _getpid = staticmethod(os.getpid)  # likewise
 
     def _shutdown_workers(self) -> None:
+        pid = self._getpid()
+        if pid != getattr(self, "_owner_pid", pid):  # a copy in a forked child
+            self._shutdown = True  # the workers, queues and threads are the parent's to stop
+            return
         try:
             super()._shutdown_workers()
         finally:
             self._live_queues.pop(id(self), None)
 
     def _reset(self, loader: Any, first_iter: bool = False, prime_prefetch: bool = True) -> None:
+        self._owner_pid = self._getpid()
         # torchdata's __init__ resets once its workers have started, before it restores
         self._live_queues[id(self)] = (self._index_queues, self._worker_result_queue)
         # Before torchdata's reset, which sends the first indices of the pass.

@@ -278,8 +278,9 @@ def _segment_regex(part: str) -> str:
         elif char == "?":
             out += "[^/]"
         elif char == "[" and (end := part.find("]", at + (part[at : at + 1] in ("!", "]")))) != -1:
-            inner = part[at:end].replace("\\", "\\\\")
-            out += "[" + ("^" + inner[1:] if inner.startswith("!") else inner) + "]"
+            negated = part[at] == "!"
+            inner = re.sub(r"([\\\[&~|^])", r"\\\1", part[at + negated : end])  # literal in the class
+            out += "[" + ("^" if negated else "") + inner + "]"
             at = end + 1
         else:
             out += re.escape(char)

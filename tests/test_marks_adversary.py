@@ -537,7 +537,7 @@ def test_loader_with_a_read_ahead_inside_resumes_exactly(reader: str, num_worker
     build = functools.partial(loader_pipeline, reader)
     expected, _ = loader_batches(Loader(build, num_workers=num_workers))
     assert sorted(x for batch in expected for x in batch) == sorted(2 * list(range(41)))
-    for stop in (1, len(expected) // 2, len(expected) - 1):
+    for stop in (1, len(expected) - 1):  # the first batch, the last but one (across the epoch end)
         head, state = loader_batches(Loader(build, num_workers=num_workers), stop)
         resumed = Loader(build, num_workers=num_workers)
         resumed.load_state_dict(state)

@@ -19,7 +19,7 @@ from tests.watching import running, sigterm_pending, wait_until
 JOB = Path(__file__).resolve().parent / "worker_death_job.py"
 JOB_LIMIT_S = 600  # a hang guard, not a speed check
 START_METHODS = ("fork", "spawn", "forkserver")
-KILLS = {"fork": 16, "spawn": 4, "forkserver": 4}  # a spawned worker takes seconds to start
+KILLS = {"fork": 10, "spawn": 3, "forkserver": 3}  # a spawned worker takes seconds to start
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal: Linux")
 

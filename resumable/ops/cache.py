@@ -37,7 +37,7 @@ import numpy as np
 from resumable.core.indexed import IndexedNode
 from resumable.core.node import Node
 from resumable.core.options import directory_option, int64_option, int_option
-from resumable.errors import ConfigError, SourceError
+from resumable.errors import ConfigError, SourceError, stop_error
 from resumable.ops import disk_cache
 
 T = TypeVar("T")
@@ -408,6 +408,8 @@ class Cache(IndexedNode[T]):
 
     def _failed(self, error: Exception) -> _Failed:
         self._failures += 1  # from now on, runs of records are checked for failed ones
+        if isinstance(error, StopIteration):  # raised again inside map(), it would end the run
+            error = stop_error(f"{self.kind}: a function mapped over its upstream's records", None, error)
         return _Failed(error)
 
     # -- state: configuration only, plus the cursor -----------------------------------------

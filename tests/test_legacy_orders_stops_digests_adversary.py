@@ -1,6 +1,7 @@
-"""Adversary of this session's changes: legacy (4-round) states in repeats, mixes, packers and
-Loaders; StopIteration of user code as rs.MapError under cache/prefetch/mix/pack; old
-``gzip-trailer:`` digests of stream states over padded gzip files."""
+"""Adversary of three changes of 2026-11-27: legacy (4-round) states in repeats, mixes, packers
+and Loaders; StopIteration of user code as rs.MapError under cache/prefetch/mix/pack (under a
+cache it once hung: the stored StopIteration ended a run of records); old ``gzip-trailer:``
+digests of stream states over padded gzip files."""
 
 from __future__ import annotations
 
@@ -332,21 +333,12 @@ STOP_BUILDS: dict[str, Callable[[Path], rs.Node]] = {
     "mix": lambda _: rs.mix(
         {"a": rs.from_list(list(range(12))).map(stops_at_5), "b": rs.from_list(list(range(100, 106)))},
         seed=2,
-        on_end="exhaust" if False else "stop",
+        on_end="stop",
     ),
 }
 
 
-HANG = pytest.mark.xfail(
-    strict=True,
-    run=False,
-    reason="BUG: StopIteration of a map fn below .cache() hangs next() for ever (cache.py _decode_run: "
-    "list(map(_unwrap, raws)) swallows the StopIteration _unwrap re-raises) instead of rs.MapError at its record",
-)
-STOP_KINDS = [pytest.param(k, marks=HANG) if k.startswith("cache") else k for k in STOP_BUILDS]
-
-
-@pytest.mark.parametrize("kind", STOP_KINDS)
+@pytest.mark.parametrize("kind", list(STOP_BUILDS))
 def test_stop_iteration_of_user_code_is_a_map_error_and_iteration_goes_on(kind: str, tmp_path: Path) -> None:
     pipe = STOP_BUILDS[kind](tmp_path)
     first = drain(pipe)
@@ -359,16 +351,7 @@ def test_stop_iteration_of_user_code_is_a_map_error_and_iteration_goes_on(kind: 
     assert second == first if kind != "mix" else second.count("E") == 1
 
 
-HANG = pytest.mark.xfail(
-    strict=True,
-    run=False,
-    reason="BUG: StopIteration of a map fn below .cache() hangs next() for ever (cache.py _decode_run: "
-    "list(map(_unwrap, raws)) swallows the StopIteration _unwrap re-raises) instead of rs.MapError at its record",
-)
-STOP_KINDS = [pytest.param(k, marks=HANG) if k.startswith("cache") else k for k in STOP_BUILDS]
-
-
-@pytest.mark.parametrize("kind", STOP_KINDS)
+@pytest.mark.parametrize("kind", list(STOP_BUILDS))
 def test_state_right_after_the_stop_iteration_resumes_exactly(kind: str, tmp_path: Path) -> None:
     reference = drain(STOP_BUILDS[kind](tmp_path))
     at = reference.index("E") + 1

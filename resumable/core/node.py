@@ -453,8 +453,8 @@ class Node(Generic[T]):
     def _fresh_rescaled(self, olds: list[dict[str, Any]], path: str) -> dict[str, Any]:
         """This node's own state entries (no upstream) on a new consumer, for a node that holds
         nothing per consumer (``resumable.core.protocols.Rescalable`` nodes do): the same options (but
-        ``_elastic_options``), the same data, counters of a fresh epoch."""
-        self._take_saved_options(olds, path)
+        ``_elastic_options``; ``_saved_options`` the rescale took from the old states before), the
+        same data, counters of a fresh epoch."""
         config = {key: value for key, value in self._checked_config().items() if key not in self._elastic_options}
         for old in olds:
             check_config(old, config, path)

@@ -31,7 +31,7 @@ from resumable.core.indexed import IndexedNode
 from resumable.core.options import int64_option, is_int, seed_option
 from resumable.core.state import INT64_MAX
 from resumable.errors import ConfigError
-from resumable.order.lcg import LEGACY_ROUNDS, ROUNDS, ROUNDS_OPTION, Permutation, _splitmix64, saved_rounds
+from resumable.order.lcg import ROUNDS, ROUNDS_OPTION, Permutation, PermutationRounds, _splitmix64
 
 T = TypeVar("T")
 
@@ -179,7 +179,7 @@ def _natural_bounds(upstream: IndexedNode[Any]) -> np.ndarray | None:
     return None
 
 
-class BlockShuffle(IndexedNode[T]):
+class BlockShuffle(PermutationRounds, IndexedNode[T]):
     """Shuffle blocks of consecutive records, then records within windows of ``window`` blocks.
 
     ``block_size``: records per block (int), or ``"row_group"`` / None for the source's natural
@@ -190,7 +190,6 @@ class BlockShuffle(IndexedNode[T]):
     """
 
     kind = "BlockShuffle"
-    _saved_options = {ROUNDS_OPTION: (LEGACY_ROUNDS, ROUNDS)}
 
     def __init__(
         self, upstream: IndexedNode[T], seed: int = 0, block_size: int | str | None = None, window: int | None = None
@@ -219,7 +218,6 @@ class BlockShuffle(IndexedNode[T]):
                 f"{self.kind}: block_size * window must be at most {INT64_MAX:,}, got {block_size} * {window}"
             )
         self.seed = seed
-        self.rounds = ROUNDS  # a restored state may name the legacy rounds it was saved with
         self.block_size: int | str = block_size
         self.window = window
         # Natural blocks belong to a source, whose length is fixed. Fixed-size blocks are laid
@@ -260,9 +258,3 @@ class BlockShuffle(IndexedNode[T]):
 
     def _config(self) -> dict[str, Any]:
         return {SEED: self.seed, BLOCK_SIZE: self.block_size, WINDOW: self.window, ROUNDS_OPTION: self.rounds}
-
-    def _header_key(self) -> object:
-        return self.rounds
-
-    def _set_saved_option(self, key: str, value: Any, path: str) -> None:
-        self.rounds = saved_rounds(value, path)

@@ -25,7 +25,7 @@ otherwise, in place, on cache-sized chunks.
 from __future__ import annotations
 
 import operator
-from typing import Iterator
+from typing import Any, ClassVar, Iterator, Mapping, cast
 
 import numpy as np
 
@@ -83,6 +83,22 @@ def saved_rounds(value: object, path: str) -> int:
             f"{path}: {ROUNDS_OPTION}={value!r} names no order this library makes ({LEGACY_ROUNDS} or {ROUNDS})"
         )
     return value
+
+
+class PermutationRounds:
+    """Mixin of a node whose order is a ``Permutation``: the rounds it makes (``rounds``, which
+    its ``_config`` saves under ``ROUNDS_OPTION``), taken from a restored state (one without
+    the entry: ``LEGACY_ROUNDS``) and renewed at a new epoch (``Node._saved_options``). Placed
+    before the node's base class, so that ``_header_key`` adds the rounds to the base's."""
+
+    _saved_options: ClassVar[Mapping[str, tuple[Any, Any]]] = {ROUNDS_OPTION: (LEGACY_ROUNDS, ROUNDS)}
+    rounds: int = ROUNDS  # the node's own once a state or a new epoch sets it
+
+    def _header_key(self) -> object:
+        return (self.rounds, cast(Any, super())._header_key())
+
+    def _set_saved_option(self, key: str, value: Any, path: str) -> None:
+        self.rounds = saved_rounds(value, path)
 
 
 class Permutation:

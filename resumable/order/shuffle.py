@@ -8,14 +8,14 @@ import numpy as np
 
 from resumable.core.indexed import IndexedNode
 from resumable.core.options import seed_option
-from resumable.order.lcg import LEGACY_ROUNDS, ROUNDS, ROUNDS_OPTION, Permutation, saved_rounds
+from resumable.order.lcg import ROUNDS_OPTION, Permutation, PermutationRounds
 
 T = TypeVar("T")
 
 SEED = "seed"
 
 
-class Shuffle(IndexedNode[T]):
+class Shuffle(PermutationRounds, IndexedNode[T]):
     """Position ``k`` of epoch ``e`` reads upstream position ``perm_{seed,e}(k)``.
 
     The permutation is a keyed bijection computed by arithmetic: O(1) memory and O(1) random
@@ -23,13 +23,11 @@ class Shuffle(IndexedNode[T]):
     """
 
     kind = "Shuffle"
-    _saved_options = {ROUNDS_OPTION: (LEGACY_ROUNDS, ROUNDS)}
 
     def __init__(self, upstream: IndexedNode[T], seed: int = 0) -> None:
         super().__init__(upstream)
         self.seed = seed_option(self.kind, SEED, seed)
-        self.rounds = ROUNDS  # a restored state may name the legacy rounds it was saved with
-        self._permutation: tuple[int, int, Permutation] | None = None
+        self._permutation: tuple[tuple[int, int, int], Permutation] | None = None
 
     def __len__(self) -> int:
         return len(self._parent)
@@ -38,10 +36,10 @@ class Shuffle(IndexedNode[T]):
         """The permutation of ``epoch`` (cached for the last epoch asked for); its size is the
         epoch's, which after a rescale of a shard below is that consumer's new stride."""
         total = self._length(epoch)
-        cached = self._permutation
-        if cached is None or cached[0] != epoch or cached[1] != total:
-            cached = self._permutation = (epoch, total, Permutation(total, self.seed, epoch, self.rounds))
-        return cached[2]
+        key, cached = (epoch, total, self.rounds), self._permutation
+        if cached is None or cached[0] != key:
+            cached = self._permutation = (key, Permutation(total, self.seed, epoch, self.rounds))
+        return cached[1]
 
     def _leaf_indices(self, positions: np.ndarray, epoch: int) -> np.ndarray:
         permuted = self.permutation(epoch).take(positions)
@@ -49,10 +47,3 @@ class Shuffle(IndexedNode[T]):
 
     def _config(self) -> dict[str, Any]:
         return {SEED: self.seed, ROUNDS_OPTION: self.rounds}
-
-    def _header_key(self) -> object:
-        return self.rounds
-
-    def _set_saved_option(self, key: str, value: Any, path: str) -> None:
-        self.rounds = saved_rounds(value, path)
-        self._permutation = None

@@ -39,7 +39,7 @@ from resumable.core.state import (
     short_repr,
 )
 from resumable.errors import ConfigError, SourceError, StateError
-from resumable.order.lcg import LEGACY_ROUNDS, ROUNDS, ROUNDS_OPTION, Permutation, saved_rounds
+from resumable.order.lcg import ROUNDS_OPTION, Permutation, PermutationRounds
 from resumable.order.topology import TOPOLOGY_KEYS, Consumer, Topology
 from resumable.sources._line_scan import UTF8_BOM
 from resumable.sources.files import (
@@ -80,7 +80,7 @@ MAX_DEFLATE_RATIO = 1032
 """Deflate expands a compressed byte into at most this many: a bound on a gzip file's content."""
 
 
-class JsonlStream(WatchedIdentity, Node[Any], InheritedByForks):
+class JsonlStream(PermutationRounds, WatchedIdentity, Node[Any], InheritedByForks):
     """Records of JSONL files (``.jsonl`` or ``.jsonl.gz``) read as streams, split by file.
 
     Use it for data that cannot be indexed; ``rs.jsonl`` (indexed: global shuffle, seek-based
@@ -93,7 +93,6 @@ class JsonlStream(WatchedIdentity, Node[Any], InheritedByForks):
     """
 
     kind = "JsonlStream"
-    _saved_options = {ROUNDS_OPTION: (LEGACY_ROUNDS, ROUNDS)}  # of the file order with shuffle_files
     _reads_upstream = False
 
     def __init__(
@@ -127,7 +126,6 @@ class JsonlStream(WatchedIdentity, Node[Any], InheritedByForks):
         self._fetched = FetchCounts()  # ranged reads of remote objects, in this process
         self.on_error = on_error
         self.shuffle_files = shuffle_files
-        self.rounds = ROUNDS  # a restored state may name the legacy rounds it was saved with
         self._epoch = 0
         self._queue: list[list[int]] | None = None  # [file, offset, line] work items; None: not yet assigned
         self._next_queue: list[list[int]] | None = None  # the next epoch's, after a rescale; None: its share
@@ -397,10 +395,7 @@ class JsonlStream(WatchedIdentity, Node[Any], InheritedByForks):
         }
 
     def _header_key(self) -> object:
-        return (self.topology, self.rounds, super()._header_key())
-
-    def _set_saved_option(self, key: str, value: Any, path: str) -> None:
-        self.rounds = saved_rounds(value, path)
+        return (self.topology, super()._header_key())
 
     def _progress(self) -> dict[str, Any]:
         progress = {EPOCH: self._epoch, QUEUE: [list(item) for item in self.queue]}
@@ -449,7 +444,6 @@ class JsonlStream(WatchedIdentity, Node[Any], InheritedByForks):
         """A share of every old consumer's work items, dealt out one by one. When old consumers
         straddle an epoch boundary, the next epoch's work items are dealt out too: the queues of
         those already in it, and the whole share of those that are not."""
-        self._take_saved_options(olds, path)
         config = {key: value for key, value in self._checked_config().items() if key not in TOPOLOGY_KEYS}
         epochs = require_adjacent_epochs(olds, EPOCH, path)
         first = min(epochs)

@@ -11,83 +11,12 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import pytest
 
 import resumable as rs
-from resumable.order.block_shuffle import BlockShuffle
 from resumable.order.lcg import LEGACY_ROUNDS, ROUNDS, ROUNDS_OPTION
-from resumable.order.shuffle import Shuffle
-from resumable.sources.stream import JsonlStream
-from tests.resume import roundtrip, take
-
-LEGACY_FOR_EVER = {ROUNDS_OPTION: (LEGACY_ROUNDS, LEGACY_ROUNDS)}
-
-
-def strip(state: Any) -> Any:
-    """Every ``rounds`` entry gone, inside JSON strings too (a Loader's worker states)."""
-    if isinstance(state, dict):
-        return {k: strip(v) for k, v in state.items() if k != ROUNDS_OPTION}
-    if isinstance(state, list):
-        return [strip(v) for v in state]
-    if isinstance(state, str) and state.startswith("{"):
-        try:
-            inner = json.loads(state)
-        except ValueError:
-            return state
-        return json.dumps(strip(inner))
-    return state
-
-
-def rounds_in(state: Any) -> set[Any]:
-    if isinstance(state, dict):
-        found = {state[ROUNDS_OPTION]} if ROUNDS_OPTION in state else set()
-        return found.union(*(rounds_in(v) for v in state.values()))
-    if isinstance(state, list):
-        return set().union(*(rounds_in(v) for v in state))
-    if isinstance(state, str) and state.startswith("{"):
-        try:
-            return rounds_in(json.loads(state))
-        except ValueError:
-            return set()
-    return set()
-
-
-def set_rounds(state: Any, value: Any) -> Any:
-    if isinstance(state, dict):
-        return {k: (value if k == ROUNDS_OPTION else set_rounds(v, value)) for k, v in state.items()}
-    if isinstance(state, list):
-        return [set_rounds(v, value) for v in state]
-    if isinstance(state, str) and state.startswith("{"):
-        try:
-            return json.dumps(set_rounds(json.loads(state), value))
-        except ValueError:
-            return state
-    return state
-
-
-def legacy(patch: pytest.MonkeyPatch) -> None:
-    for node in (Shuffle, BlockShuffle, JsonlStream):
-        patch.setattr(node, "_saved_options", LEGACY_FOR_EVER)
-
-
-def built(build: Callable[[], rs.Node]) -> rs.Node:
-    pipe = build()
-    for node in pipe._subtree():
-        node._renew_saved_options()
-    return pipe
-
-
-def plain(item: Any) -> Any:
-    if isinstance(item, dict):
-        return {k: plain(v) for k, v in item.items()}
-    if isinstance(item, np.ndarray):
-        return item.tolist()
-    if isinstance(item, (list, tuple)):
-        return [plain(v) for v in item]
-    if isinstance(item, np.generic):
-        return item.item()
-    return item
+from tests.legacy_orders import built, legacy, rounds_in, with_rounds, without_rounds
+from tests.resume import plain, roundtrip, take
 
 
 def epochs(pipe: rs.Node, n: int) -> list[list[Any]]:
@@ -113,7 +42,7 @@ def test_legacy_state_in_a_repeat_finishes_its_epoch_legacy_then_six_rounds(
         legacy(patch)
         old = built(repeat_build)
         head = take(old, cut)
-        state = strip(roundtrip(old.get_state()))
+        state = without_rounds(roundtrip(old.get_state()))
         rest = list(old)
     epoch_end = (cut // N + 1) * N
     assert head + rest[: epoch_end - cut] != fresh[:epoch_end] or cut >= N
@@ -130,7 +59,7 @@ def test_legacy_state_in_a_repeat_restored_twice_in_a_row(monkeypatch: pytest.Mo
         legacy(patch)
         old = built(repeat_build)
         take(old, 5)
-        state = strip(roundtrip(old.get_state()))
+        state = without_rounds(roundtrip(old.get_state()))
         rest = list(old)
     once = repeat_build()
     once.set_state(state)
@@ -155,7 +84,7 @@ def test_legacy_state_of_a_mix_of_two_shuffles(cut: int, monkeypatch: pytest.Mon
         legacy(patch)
         old = built(mix_build)
         take(old, cut)
-        state = strip(roundtrip(old.get_state()))
+        state = without_rounds(roundtrip(old.get_state()))
         rest = [plain(x) for x in old]
     pipe = mix_build()
     pipe.set_state(state)
@@ -177,7 +106,7 @@ def test_legacy_state_with_a_packer_after_the_shuffle(cut: int, monkeypatch: pyt
         legacy(patch)
         old = built(pack_build)
         take(old, cut)
-        state = strip(roundtrip(old.get_state()))
+        state = without_rounds(roundtrip(old.get_state()))
         rest = [plain(x) for x in old]
     pipe = pack_build()
     pipe.set_state(state)
@@ -212,7 +141,7 @@ def test_legacy_loader_state_finishes_legacy_and_next_epoch_is_six_rounds(
         old = Loader(loader_build, **config)
         it = iter(old)
         head = [[int(v) for v in next(it)] for _ in range(3)]
-        state = strip(json.loads(json.dumps(old.state_dict())))
+        state = without_rounds(json.loads(json.dumps(old.state_dict())))
         rest = [[int(v) for v in b] for b in it]
         del it
     assert rounds_in(state) == set()
@@ -235,7 +164,7 @@ def test_legacy_loader_state_restored_twice_in_a_row(config: dict, monkeypatch: 
         it = iter(old)
         for _ in range(2):
             next(it)
-        state = strip(json.loads(json.dumps(old.state_dict())))
+        state = without_rounds(json.loads(json.dumps(old.state_dict())))
         rest = [[int(v) for v in b] for b in it]
         del it
     once = Loader(loader_build, **config)
@@ -262,7 +191,7 @@ def test_corrupt_rounds_in_a_loader_state_is_a_state_error_and_changes_nothing(v
     good = json.loads(json.dumps(reference.state_dict()))
     rest = [[int(v) for v in b] for b in it]
     del it
-    bad = set_rounds(good, value)
+    bad = with_rounds(good, value)
     assert rounds_in(bad) == {value}
     loader = Loader(loader_build, **config)
     # with workers the pipeline state is applied (and refused) in the worker, at the first iter()
@@ -283,7 +212,7 @@ def test_corrupt_rounds_nested_is_a_state_error_and_leaves_the_pipeline(
     state = roundtrip(pipe.get_state())
     expected = [plain(x) for x in build_restored(build, state)]
     with pytest.raises(rs.StateError, match=ROUNDS_OPTION):
-        pipe.set_state(set_rounds(state, value))
+        pipe.set_state(with_rounds(state, value))
     assert [plain(x) for x in pipe] == expected
 
 

@@ -12,7 +12,7 @@ import pytest
 
 import resumable as rs
 import resumable.torch as rst
-from resumable.order.lcg import LEGACY_ROUNDS, ROUNDS_OPTION
+from tests.legacy_orders import legacy
 from tests.resume import take
 
 SAVED = json.loads((Path(__file__).parent / "data" / "states_0.1.0.json").read_text())
@@ -42,7 +42,7 @@ def test_a_loader_state_of_0_1_0_continues_exactly(workers: int, monkeypatch: py
         batches(reference)
         following = batches(reference)
     with monkeypatch.context() as patch:  # every epoch in 0.1.0's order (forked workers inherit it)
-        patch.setattr(rs.nodes.Shuffle, "_saved_options", {ROUNDS_OPTION: (LEGACY_ROUNDS, LEGACY_ROUNDS)})
+        legacy(patch)
         with rst.Loader(build, num_workers=workers) as reference:
             whole = batches(reference)
     assert whole[:5] == saved["head"]

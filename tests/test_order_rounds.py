@@ -16,34 +16,12 @@ import pytest
 import resumable as rs
 import resumable.elastic as elastic
 from resumable import Node
-from resumable.order.block_shuffle import BlockShuffle
 from resumable.order.lcg import LEGACY_ROUNDS, ROUNDS, ROUNDS_OPTION
-from resumable.order.shuffle import Shuffle
-from resumable.sources.stream import JsonlStream
+from tests.legacy_orders import built, legacy, rounds_in, without_rounds
 from tests.resume import roundtrip, take
 from tests.sources import indexed_source
 
 N = 40
-LEGACY_FOR_EVER = {ROUNDS_OPTION: (LEGACY_ROUNDS, LEGACY_ROUNDS)}
-
-
-def without_rounds(state: Any) -> Any:
-    """``state`` as a version before ``rounds`` saved it: the entry gone everywhere."""
-    if isinstance(state, dict):
-        return {key: without_rounds(value) for key, value in state.items() if key != ROUNDS_OPTION}
-    if isinstance(state, list):
-        return [without_rounds(value) for value in state]
-    return state
-
-
-def rounds_in(state: Any) -> set[int]:
-    """Every ``rounds`` entry of ``state``."""
-    if isinstance(state, dict):
-        found = {state[ROUNDS_OPTION]} if ROUNDS_OPTION in state else set()
-        return found.union(*(rounds_in(value) for value in state.values()))
-    if isinstance(state, list):
-        return set().union(*(rounds_in(value) for value in state))
-    return set()
 
 
 def records(n: int = N) -> list[dict[str, int]]:
@@ -66,21 +44,6 @@ BUILDS: dict[str, Callable[[Path], Callable[[], Node[Any]]]] = {
     "shard then shuffle": lambda _: lambda: rs.from_list(records()).shard(1, 2).shuffle(3),
     "stream files": stream,
 }
-NODES = (Shuffle, BlockShuffle, JsonlStream)
-
-
-def legacy(patch: pytest.MonkeyPatch) -> None:
-    """Every order of the nodes built from now on (``built``) in the legacy rounds, every epoch."""
-    for node in NODES:
-        patch.setattr(node, "_saved_options", LEGACY_FOR_EVER)
-
-
-def built(build: Callable[[], Node[Any]]) -> Node[Any]:
-    """A pipeline whose nodes take their new-epoch rounds now, as at an epoch's start."""
-    pipe = build()
-    for node in pipe._subtree():
-        node._renew_saved_options()
-    return pipe
 
 
 def ids(items: list[Any]) -> list[int]:

@@ -40,6 +40,7 @@ from hypothesis import strategies as st
 
 import resumable as rs
 from resumable import Node
+from resumable.core.keys import Stride
 from tests.resume import plain, roundtrip, take
 from tests.watching import wait_until
 
@@ -526,6 +527,10 @@ def test_a_map_error_in_a_loader_arrives_as_a_map_error(workers: int) -> None:
     assert len(caught) == 1
     assert isinstance(caught[0], rs.MapError), f"{type(caught[0]).__name__}: {str(caught[0])[:200]}"
     assert "ParallelMap" in str(caught[0])
+    # the key of record 7 comes along from a worker too (torch would raise MapError(message) alone)
+    consumers = max(workers, 1)
+    assert caught[0].key == (Stride(consumer=7 % consumers, consumers=consumers), 0, 7 // consumers)
+    assert ("DataLoader worker process" in str(caught[0])) == bool(workers)
 
 
 @pytest.mark.parametrize("build", [serial_loader_build, loader_build], ids=["serial", "thread-map"])

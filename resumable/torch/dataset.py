@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
+import sys
 from typing import Any, Callable, NamedTuple, Union, cast
 
 import orjson
@@ -12,7 +14,7 @@ from torch.utils.data import IterableDataset, default_convert, get_worker_info
 
 from resumable.core.node import Node
 from resumable.core.options import int_option
-from resumable.errors import ConfigError, StateError, stop_error
+from resumable.errors import ConfigError, ResumableError, StateError, stop_error
 from resumable.loader_state import PASS_EPOCH, PIPELINE
 from resumable.ops.even import StoreRef, default_store, inherit_store, new_namespace
 from resumable.order.topology import distributed_rank, inherit_rank
@@ -88,9 +90,29 @@ class WorkerIterator:
 
 
 def _handled_error() -> ExceptionWrapper:
-    """The exception being handled in this worker, wrapped as torch's worker loop wraps it."""
+    """The exception being handled in this worker, wrapped as torch's worker loop wraps it
+    (the library's own errors as ``OwnError``, so that they keep their attributes)."""
     where = f"in DataLoader worker process {cast('Any', get_worker_info()).id}"
+    error = sys.exc_info()[1]
+    if isinstance(error, ResumableError):
+        return OwnError(error, where)
     return ExceptionWrapper(where=where)  # type: ignore[no-untyped-call]
+
+
+class OwnError(ExceptionWrapper):
+    """A worker's ``ResumableError`` on its way to the main process. torch raises a worker's
+    exception again as ``type(message)``, which keeps the type but drops every attribute (a
+    ``MapError``'s ``key``); this raises a copy of the error itself, its message torch's (the
+    worker and its traceback)."""
+
+    def __init__(self, error: ResumableError, where: str) -> None:
+        super().__init__(where=where)  # type: ignore[no-untyped-call]
+        self.error = error
+
+    def reraise(self) -> None:
+        error = copy.copy(self.error)
+        error.args = (f"Caught {type(error).__name__} {self.where}.\nOriginal {self.exc_msg}",)
+        raise error
 
 
 class Failure(NamedTuple):

@@ -13,13 +13,13 @@ central property (take k, ``get_state``, JSON round trip, restore into a fresh p
 row; keys that name the global index across files; only typed errors, naming the file (and the
 line), and a refused state changes nothing.
 
-Bugs kept as strict xfails (see each reason): a JSONL source holds two file descriptors per file
-and a Parquet source one for as long as it lives, so a corpus of a few hundred (JSONL) or a
-thousand (Parquet) shards fails with ``Too many open files`` under the usual 1024 limit; an
-existing file whose name holds ``[`` is taken for a glob and refused; a glob silently leaves out
-a shard that is a dangling symlink; a ``.jsonl.gz`` given to ``rs.jsonl`` is indexed as if its
-compressed bytes were lines (with ``on_error="skip"`` the file silently contributes nothing); a
-state refused because the glob now finds more or fewer files names none of them; with nowhere to
+Bugs it found, mended (each test below its heading "found and mended"): a JSONL source held two file descriptors per file
+and a Parquet source one for as long as it lived, so a corpus of a few hundred (JSONL) or a
+thousand (Parquet) shards failed with ``Too many open files`` under the usual 1024 limit; an
+existing file whose name holds ``[`` was taken for a glob and refused; a glob silently left out
+a shard that is a dangling symlink; a ``.jsonl.gz`` given to ``rs.jsonl`` was indexed as if its
+compressed bytes were lines (with ``on_error="skip"`` the file silently contributed nothing); a
+state refused because the glob now finds more or fewer files named none of them; with nowhere to
 write indices, one SidecarWarning per file where the docs say one.
 """
 
@@ -699,7 +699,7 @@ def test_columnar_lists_with_empty_files_duplicates_and_mixed_formats(tmp_path: 
     assert "p3.{}".format(kind) in message and "p3b.{}".format(kind) in message
 
 
-# -- bugs --------------------------------------------------------------------------------------
+# -- found and mended ----------------------------------------------------------------------------
 
 
 def open_descriptors() -> int:
@@ -718,13 +718,6 @@ def descriptor_limit(extra: int) -> Iterator[None]:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: rs.jsonl keeps two open file descriptors per file for its whole life (the mmap of "
-    "its sidecar and of the data, each holding a dup'ed fd), so reading ~500 shards under the usual "
-    "1024 limit fails with SourceError 'Too many open files' (and misleading 'cannot write a line "
-    "index' warnings); descriptors should stay bounded whatever the number of files",
-)
 def test_jsonl_over_more_files_than_the_descriptor_limit_allows_pairs_of(tmp_path: Path) -> None:
     count = 120
     for i in range(count):
@@ -740,12 +733,6 @@ def test_jsonl_over_more_files_than_the_descriptor_limit_allows_pairs_of(tmp_pat
             del source
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: rs.parquet opens every file when built and keeps it open (ParquetSource._handles, "
-    "one pa.OSFile per file), so a corpus of ~1000 Parquet shards fails at construction with "
-    "SourceError 'Too many open files' under the usual 1024 limit; handles should be bounded (an LRU)",
-)
 def test_parquet_over_more_files_than_the_descriptor_limit(tmp_path: Path) -> None:
     count = 150
     for i in range(count):
@@ -754,24 +741,12 @@ def test_parquet_over_more_files_than_the_descriptor_limit(tmp_path: Path) -> No
         assert ids(list(rs.parquet(str(tmp_path / "*.parquet")))) == list(range(count))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: an existing file whose name holds '[' (shard[0].jsonl), given as an explicit path, "
-    "is expanded as a glob character class and refused with 'no files match'; a pattern that names "
-    "an existing file should read that file (files.expand_paths)",
-)
 def test_an_explicit_path_with_brackets_in_its_name_is_read(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "shard[0].jsonl", [{"g": 0}, {"g": 1}])
     assert ids(list(rs.jsonl(glob.escape(path)))) == [0, 1]  # the escaped glob works
     assert ids(list(rs.jsonl([path]))) == [0, 1]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a glob that matches a dangling symlink (a shard on an unmounted or moved volume) "
-    "silently leaves it out (expand_paths keeps only os.path.isfile matches), so the epoch trains "
-    "on fewer files; it should be a SourceError naming the link, as an explicit missing path is",
-)
 def test_a_glob_matching_a_dangling_symlink_is_a_source_error(tmp_path: Path) -> None:
     numbered_files(tmp_path, [2, 2])
     (tmp_path / "part2.jsonl").symlink_to(tmp_path / "gone" / "part2.jsonl")
@@ -781,13 +756,6 @@ def test_a_glob_matching_a_dangling_symlink_is_a_source_error(tmp_path: Path) ->
         rs.jsonl([str(tmp_path / "part0.jsonl"), str(tmp_path / "part2.jsonl")])  # (this one passes)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: rs.jsonl indexes a gzip file's compressed bytes as lines (README: .jsonl.gz cannot "
-    "be indexed): reading fails late with 'malformed JSON record ... not valid UTF-8', and with "
-    "on_error='skip' the whole file silently contributes nothing; it should be a SourceError at "
-    "construction naming the file and pointing to rs.jsonl_stream",
-)
 def test_a_gzip_file_given_to_the_indexed_jsonl_source_is_refused_when_built(tmp_path: Path) -> None:
     plain = write_jsonl(tmp_path / "a.jsonl", [{"g": 0}])
     packed = tmp_path / "b.jsonl.gz"
@@ -797,13 +765,6 @@ def test_a_gzip_file_given_to_the_indexed_jsonl_source_is_refused_when_built(tmp
             rs.jsonl([plain, str(packed)], on_error=on_error)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a state refused because a glob now finds one more (or one fewer) file says only "
-    "'state was saved over 3 files, this source has 4' and names no file, where every other "
-    "fingerprint mismatch names it; it should name the files added or missing "
-    "(files.WatchedFiles.check_state, shared by rs.jsonl, rs.parquet and rs.arrow)",
-)
 def test_a_glob_that_finds_more_or_fewer_files_at_restore_names_them(tmp_path: Path) -> None:
     paths = numbered_files(tmp_path / "data", [3, 4, 2])
     pattern = str(tmp_path / "data" / "*.jsonl")
@@ -819,12 +780,6 @@ def test_a_glob_that_finds_more_or_fewer_files_at_restore_names_them(tmp_path: P
         rs.jsonl(pattern).shuffle(6).set_state(state)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: with nowhere to write line indices, docs/sources.md says 'a SidecarWarning is issued "
-    "once', but rs.jsonl warns once per file, at every build (and again in every DataLoader worker): "
-    "ten files, ten warnings; a 1000-shard corpus prints 1000 lines per process",
-)
 def test_nothing_writable_warns_once_not_once_per_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     paths = numbered_files(tmp_path, [1] * 10)
     block_sidecars(paths)

@@ -107,9 +107,9 @@ def test_missing_empty_and_invalid_files_fail_at_construction(tmp_path: Path) ->
 def test_pickles_without_open_files(tmp_path: Path) -> None:
     source = parquet(corpus(tmp_path))
     assert source[3]["id"] == 3
-    assert source._handles[0] is not None and source._cache
+    assert source._handles.opened(0) is not None and source._cache
     clone = pickle.loads(pickle.dumps(source))
-    assert clone._handles == [None, None, None] and not clone._cache
+    assert [clone._handles.opened(f) for f in range(3)] == [None, None, None] and not clone._cache
     assert [r["id"] for r in clone] == list(range(100))
 
 

@@ -360,7 +360,9 @@ def test_globs_that_agree_with_local_ones(s3: dict[str, Any], tmp_path: pathlib.
         assert list(remote_) == list(local), pattern
 
 
-def test_keys_with_glob_characters_are_read_through_glob_escape(s3: dict[str, Any], tmp_path: pathlib.Path) -> None:
+def test_keys_with_glob_characters_are_read_by_name_or_through_glob_escape(
+    s3: dict[str, Any], tmp_path: pathlib.Path
+) -> None:
     server: S3Server = s3["server"]
     odd = "adversary/globchars/what?[1] *.jsonl"
     url = upload_bytes(server, tmp_path, odd, b'{"id": 5}\n')
@@ -370,9 +372,13 @@ def test_keys_with_glob_characters_are_read_through_glob_escape(s3: dict[str, An
         source = read(escaped, storage_options=server.options)
         assert source.paths == [url]
         assert list(source) == [{"id": 5}]
-    with pytest.raises(rs.SourceError, match="no objects match") as raised:  # '[1]' is a character class
-        rs.jsonl(url, storage_options=server.options)
-    assert url in str(raised.value)
+    # unescaped, the name of an existing object is that object (as a local path is), not a glob
+    for read in (rs.jsonl, rs.jsonl_stream):
+        source = read(url, storage_options=server.options)
+        assert source.paths == [url] and list(source) == [{"id": 5}]
+    with pytest.raises(rs.SourceError, match="no objects match") as raised:  # no such object: a glob after all
+        rs.jsonl(url.replace("what", "which"), storage_options=server.options)
+    assert "which" in str(raised.value)
 
 
 def test_a_glob_reads_what_was_listed_at_construction(s3: dict[str, Any], tmp_path: pathlib.Path) -> None:

@@ -28,7 +28,7 @@ import resumable as rs
 from resumable import Node
 from resumable.sources import files
 from tests.sources import INDEXED_KINDS, indexed_source, replace_file
-from tests.watching import assert_freed_at_once
+from tests.watching import assert_freed_at_once, wait_until
 
 COUNT = 24
 ERRORS_GUARD = 10_000
@@ -164,6 +164,10 @@ def test_a_set_state_failing_on_a_changed_file_leaves_the_pipeline_as_it_was(
         saved = pipe.get_state()
         got.append(next(pipe)["id"])
         before = pipe.get_state()  # the round robin is on the first file again after two calls
+        # the reader idle (its buffer full), so that it does not read the file while it is changed
+        producer = pipe._producer
+        assert producer is not None
+        wait_until(lambda: producer.queue.full() or not producer.thread.is_alive(), "an idle prefetch thread")
         original, info = paths[0].read_bytes(), os.stat(paths[0])
         try:
             replace_file(paths[0], original + b"\n")

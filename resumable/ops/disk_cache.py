@@ -24,7 +24,6 @@ shows its file still has the size it was mapped with; one that changed is comput
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import re
 from collections import OrderedDict
@@ -35,6 +34,7 @@ import pyarrow as pa
 
 from resumable.checkpoint import write_atomically
 from resumable.errors import ConfigError
+from resumable.sources.open_files import MappedFile
 
 FORMAT = "resumable-cache/1"
 META_KEY = b"resumable"
@@ -165,7 +165,7 @@ class BlockView:
     """Records of one block, read from an Arrow table (memory-mapped when it came from disk:
     ``mapping`` is then the map its buffers view)."""
 
-    def __init__(self, table: pa.Table, mapping: mmap.mmap | None = None) -> None:
+    def __init__(self, table: pa.Table, mapping: MappedFile | None = None) -> None:
         """ValueError unless ``table`` is a block as ``encode_block`` writes it: its metadata
         is checked against its columns, so a damaged or foreign file is computed again."""
         self._mapping = mapping
@@ -198,7 +198,7 @@ class BlockView:
         """Whether the block's file still has the size it was mapped with (always true in
         memory): reading a map past the end of a file cut short kills the process (SIGBUS)."""
         mapping = self._mapping
-        return mapping is None or mapping.size() == len(mapping)
+        return mapping is None or mapping.cut_to() is None
 
     def record(self, offset: int) -> Any:
         """The record at ``offset`` of the block (``SKIPPED`` for a skipped one)."""
@@ -314,9 +314,8 @@ class DiskStore:
             self.known.discard(block)
             return None
         try:
-            with open(self.path(block), "rb") as handle:
-                mapping = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
-            view = BlockView(pa.ipc.open_file(pa.py_buffer(mapping)).read_all(), mapping)
+            mapping = MappedFile.of(self.path(block))  # no descriptor held: thousands of blocks stay open
+            view = BlockView(pa.ipc.open_file(mapping.buffer).read_all(), mapping)
         except (OSError, ValueError, KeyError, pa.ArrowException):
             self.known.discard(block)
             return None

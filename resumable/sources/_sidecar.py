@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
-import mmap
 import os
 import struct
 import warnings
@@ -25,6 +24,7 @@ import xxhash
 
 from resumable.checkpoint import write_atomically
 from resumable.sources._line_scan import UTF8_BOM
+from resumable.sources.open_files import MappedFile
 
 if TYPE_CHECKING:
     from resumable.sources.line_index import LineIndex
@@ -86,33 +86,33 @@ class Contents(NamedTuple):
     content: int
     starts: npt.NDArray[np.uint64]
     block_checksums: npt.NDArray[np.uint64]
-    mapping: mmap.mmap
+    mapping: MappedFile
 
 
 def read(sidecar: str, size: int, mtime_ns: int) -> Contents | None:
     """The index stored in ``sidecar`` if it is keyed on ``(size, mtime_ns)``: None when stale or
     of another format version, ``CorruptSidecar`` when a check fails (``OSError`` or
     ``ValueError`` when it cannot be read at all)."""
-    with open(sidecar, "rb") as stored:
-        header = stored.read(HEADER.size)
-        stored_size = os.fstat(stored.fileno()).st_size
-        version = header[len(SIDECAR_MAGIC) : len(SIDECAR_MAGIC) + 4]
-        if len(version) < 4 or header[: len(SIDECAR_MAGIC)] != SIDECAR_MAGIC:
-            raise CorruptSidecar("no line index header")
-        if int.from_bytes(version, "little") != FORMAT_VERSION:
-            return None
-        if len(header) != HEADER.size or checksum(header[:HEADER_CHECKSUM_SPAN]) != HEADER.unpack(header)[-1]:
-            raise CorruptSidecar("its header fails its checksum")
-        _, _, flags, key_size, key_mtime, num_records, blank_lines, content, _ = HEADER.unpack(header)
-        if (key_size, key_mtime) != (size, mtime_ns):
-            return None
-        entries = num_records + 1
-        blocks = -(-entries // BLOCK_ENTRIES)
-        expected = HEADER.size + OFFSET_DTYPE.itemsize * entries + CHECKSUM_DTYPE.itemsize * blocks
-        if flags & ~FLAG_HAS_BOM or stored_size != expected:
-            raise CorruptSidecar(f"{stored_size} bytes where its header implies {expected}")
-        body, mapping = map_body(stored, entries + blocks)
-        starts, block_checksums = body[:entries], body[entries:].view(CHECKSUM_DTYPE)  # one memory map
+    mapping = MappedFile.of(sidecar)  # checked as mapped: a file replaced meanwhile is not read half
+    stored_size = mapping.buffer.size
+    header = mapping.buffer.slice(0, min(HEADER.size, stored_size)).to_pybytes()
+    version = header[len(SIDECAR_MAGIC) : len(SIDECAR_MAGIC) + 4]
+    if len(version) < 4 or header[: len(SIDECAR_MAGIC)] != SIDECAR_MAGIC:
+        raise CorruptSidecar("no line index header")
+    if int.from_bytes(version, "little") != FORMAT_VERSION:
+        return None
+    if len(header) != HEADER.size or checksum(header[:HEADER_CHECKSUM_SPAN]) != HEADER.unpack(header)[-1]:
+        raise CorruptSidecar("its header fails its checksum")
+    _, _, flags, key_size, key_mtime, num_records, blank_lines, content, _ = HEADER.unpack(header)
+    if (key_size, key_mtime) != (size, mtime_ns):
+        return None
+    entries = num_records + 1
+    blocks = -(-entries // BLOCK_ENTRIES)
+    expected = HEADER.size + OFFSET_DTYPE.itemsize * entries + CHECKSUM_DTYPE.itemsize * blocks
+    if flags & ~FLAG_HAS_BOM or stored_size != expected:
+        raise CorruptSidecar(f"{stored_size} bytes where its header implies {expected}")
+    body = _body(mapping, entries + blocks)
+    starts, block_checksums = body[:entries], body[entries:].view(CHECKSUM_DTYPE)  # one memory map
     has_bom = bool(flags & FLAG_HAS_BOM)
     first_allowed = len(UTF8_BOM) if has_bom else 0
     if int(starts[-1]) != size or not first_allowed <= int(starts[0]) <= size:
@@ -184,15 +184,12 @@ def block_checksums(starts: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
     )
 
 
-def map_body(stored: IO[bytes], count: int) -> tuple[npt.NDArray[np.uint64], mmap.mmap]:
-    """The ``count`` values after the header of the open sidecar ``stored`` (offsets, then
-    checksums), read-only through a memory map, and the map: kept so that its file's size can be
-    checked (``mmap.size`` is an ``fstat``) before each read."""
-    mapping = mmap.mmap(stored.fileno(), 0, access=mmap.ACCESS_READ)
-    return np.frombuffer(mapping, dtype=OFFSET_DTYPE, count=count, offset=HEADER.size), mapping
+def _body(mapping: MappedFile, count: int) -> npt.NDArray[np.uint64]:
+    """The ``count`` values after the header of a mapped sidecar (offsets, then checksums)."""
+    return np.frombuffer(mapping.buffer, dtype=OFFSET_DTYPE, count=count, offset=HEADER.size)
 
 
-def write(sidecar: str, index: LineIndex) -> tuple[npt.NDArray[np.uint64], mmap.mmap]:
+def write(sidecar: str, index: LineIndex) -> tuple[npt.NDArray[np.uint64], MappedFile]:
     """Store ``index`` at ``sidecar`` atomically (``write_atomically``: a temporary, fsync, rename,
     and a killed build's temporary removed by the next one); return its offsets, memory-mapped,
     and the map.
@@ -207,5 +204,5 @@ def write(sidecar: str, index: LineIndex) -> tuple[npt.NDArray[np.uint64], mmap.
         stored.write(block_checksums(starts).view(np.uint8).data)
 
     write_atomically(sidecar, fill)
-    with open(sidecar, "rb") as stored:
-        return map_body(stored, len(starts))
+    mapping = MappedFile.of(sidecar)
+    return _body(mapping, len(starts)), mapping

@@ -16,6 +16,7 @@ import os
 import re
 import time
 import zlib
+from collections import Counter
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import pyarrow as pa
@@ -87,7 +88,10 @@ def expand_paths(paths: Paths, kind: str) -> list[str]:
     writes beside data files left out) and check each file exists.
 
     Explicit paths keep the order given; a glob that matches nothing, a missing file or a
-    directory raises SourceError naming it.
+    directory raises SourceError naming it, and so does a match that is a symbolic link to a
+    missing file (a shard on a volume that is not mounted: left out, the epoch would silently
+    lack it). A path that names an existing file is that file, even where its name reads as a
+    glob (``shard[0].jsonl``).
     """
     patterns = path_patterns(paths, kind)
     if not patterns:
@@ -99,21 +103,23 @@ def expand_paths(paths: Paths, kind: str) -> list[str]:
                 f"{kind}: {pattern!r} is a URL; remote files are read by rs.jsonl, rs.jsonl_stream, rs.parquet "
                 "and rs.arrow (with storage_options= or filesystem=)"
             )
-        if glob.has_magic(pattern):
-            matches = sorted(
-                match
-                for match in glob.glob(pattern, recursive=True)
-                if os.path.isfile(match) and not match.endswith(OWN_FILES)
-            )
+        if os.path.isfile(pattern):
+            files.append(pattern)
+        elif glob.has_magic(pattern):
+            found = sorted(glob.glob(pattern, recursive=True))
+            dangling = [match for match in found if os.path.islink(match) and not os.path.exists(match)]
+            if dangling:
+                raise SourceError(
+                    f"{kind}: {dangling[0]!r}, which {pattern!r} matches, is a symbolic link to a missing file"
+                )
+            matches = [match for match in found if os.path.isfile(match) and not match.endswith(OWN_FILES)]
             if not matches:
                 raise SourceError(f"{kind}: no files match {pattern!r}")
             files.extend(matches)
         elif os.path.isdir(pattern):
             raise SourceError(f"{kind}: {pattern!r} is a directory; pass a file or a glob such as '{pattern}/*'")
-        elif not os.path.isfile(pattern):
-            raise SourceError(f"{kind}: no such file {pattern!r}")
         else:
-            files.append(pattern)
+            raise SourceError(f"{kind}: no such file {pattern!r}")
     return files
 
 
@@ -283,9 +289,14 @@ class WatchedFiles:
         current = self.fingerprints
         if saved == current:  # the common case, at the cost of one comparison
             return
-        if not isinstance(saved, list) or len(saved) != len(current):
-            count = len(saved) if isinstance(saved, list) else saved
-            raise StateError(f"{path}: state was saved over {count} files, this source has {len(current)}")
+        if not isinstance(saved, list):
+            raise StateError(f"{path}: malformed file fingerprints {short_repr(saved)}")
+        if len(saved) != len(current):
+            names = [os.path.basename(_parse(entry, path)[NAME]) for entry in saved]
+            raise StateError(
+                f"{path}: state was saved over {len(saved)} files, this source has {len(current)}"
+                f"{_files_apart(names, [os.path.basename(now[NAME]) for now in current])}"
+            )
         for saved_file, now in zip(saved, current):
             old = _parse(saved_file, path)
             if os.path.basename(old[NAME]) != os.path.basename(now[NAME]):
@@ -334,6 +345,26 @@ def same_content(old: str | None, new: str | None) -> bool:
     if (VERSION_SEPARATOR in old) == (VERSION_SEPARATOR in new):
         return old == new
     return old.split(VERSION_SEPARATOR, 1)[0] == new.split(VERSION_SEPARATOR, 1)[0]
+
+
+FILES_NAMED = 5
+"""How many of the files a restore finds added or missing its error names."""
+
+
+def _files_apart(saved: list[str], current: list[str]) -> str:
+    """What differs between the file names a state was saved over and those of this source: the
+    files missing and those new, a few of each by name (a glob over thousands of shards that
+    found one more or one fewer)."""
+    parts = []
+    for what, names in (
+        ("missing here", Counter(saved) - Counter(current)),
+        ("new here", Counter(current) - Counter(saved)),
+    ):
+        listed = sorted(names.elements())
+        if listed:
+            more = f" and {len(listed) - FILES_NAMED} more" if len(listed) > FILES_NAMED else ""
+            parts.append(f"{what}: {', '.join(map(repr, listed[:FILES_NAMED]))}{more}")
+    return f" ({'; '.join(parts)})" if parts else ""
 
 
 def _parse(saved: Any, path: str) -> Fingerprint:

@@ -25,6 +25,7 @@ from resumable.sources.blocks import BLOCK_BYTES as REMOTE_BLOCK_BYTES
 from resumable.sources.blocks import CACHE_BYTES, DISK_CACHE_BYTES, BlockReader
 from resumable.sources.files import Paths, WatchedFiles, reading
 from resumable.sources.line_index import LineIndex, content_digest_in, remote_content_digest
+from resumable.sources.open_files import OpenFiles
 from resumable.sources.remote import FRESH_SECONDS
 from resumable.sources.source import PathSource
 
@@ -137,7 +138,7 @@ class JsonlSource(PathSource[Any]):
         if self._total == 0:
             raise SourceError(f"{self.kind}: no records in {', '.join(self.paths)} (empty or blank files)")
         self._blank_lines = sum(index.blank_lines for index in self._live_indices())
-        self._maps: list[mmap.mmap | None] = [None] * len(self.paths)
+        self._maps: OpenFiles[mmap.mmap] = OpenFiles(len(self.paths))
         self.skipped = 0
 
     def _live_indices(self) -> list[LineIndex]:
@@ -178,15 +179,16 @@ class JsonlSource(PathSource[Any]):
 
     def _map(self, file: int) -> mmap.mmap:
         """The memory map of file ``file``, after checking that the file is unchanged: a file
-        cut short under a memory map would crash the process on reading (SIGBUS)."""
+        cut short under a memory map would crash the process on reading (SIGBUS). Maps are
+        opened within the process's budget of open files (``OpenFiles``)."""
         self._files.check(file)
-        mapped = self._maps[file]
-        if mapped is None:
-            with reading(f"{self.kind}: cannot read {self.paths[file]!r}"), open(self.paths[file], "rb") as handle:
-                self._files.check_opened(file, handle.fileno())
-                mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
-            self._maps[file] = mapped
-        return mapped
+        with reading(f"{self.kind}: cannot read {self.paths[file]!r}"):
+            return self._maps.get(file, self._open_map)
+
+    def _open_map(self, file: int) -> mmap.mmap:
+        with open(self.paths[file], "rb") as handle:
+            self._files.check_opened(file, handle.fileno())
+            return mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
 
     def _content_digest(self, file: int, reader: BlockReader, version: str) -> str:
         return self._index(file).content_digest
@@ -269,11 +271,10 @@ class JsonlSource(PathSource[Any]):
             return
         raise SourceError(f"{where}: malformed JSON record: {error}") from error
 
-    # -- pickling (DataLoader workers): memory maps and indices are reopened lazily ------------
+    # -- pickling (DataLoader workers): memory maps (``OpenFiles``) and indices are reopened lazily
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state["_maps"] = [None] * len(self.paths)
         state["_indices"] = [None] * len(self.paths)
         return state
 

@@ -9,8 +9,9 @@ lets a file whose mtime changed but whose content did not be recognised as the s
 A sidecar (its format: ``resumable.sources._sidecar``) is never trusted blindly: it is checked
 when loaded, and every block of its offsets is verified the first time it is used (so opening
 stays O(1) however large the index). A sidecar that fails a check is rebuilt, with a warning.
-So is one cut short in place while it is memory-mapped: its size is checked (an ``fstat``)
-before every read of the map, since reading a map past the end of its file kills the process
+So is one cut short in place while it is memory-mapped: its size is checked (an ``os.stat``;
+the map holds no descriptor, so a thousand indices do not use up the process's) before every
+read of the map, since reading a map past the end of its file kills the process
 (SIGBUS). The scan that builds an index is in ``resumable.sources._line_scan``.
 """
 
@@ -19,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
-import mmap
 import operator
 import os
 import stat
@@ -38,6 +38,7 @@ from resumable.sources._line_scan import UTF8_BOM, Scanner
 from resumable.sources._sidecar import SIDECAR_SUFFIX, SidecarWarning
 from resumable.sources.blocks import fetch_pool
 from resumable.sources.files import REMEDY, reading
+from resumable.sources.open_files import MappedFile
 from resumable.sources.remote import Head, ObjectInfo, Remote
 
 Progress = Callable[[int], None]
@@ -71,7 +72,7 @@ class LineIndex:
         starts: npt.NDArray[np.uint64],
         sidecar: str | None,
         block_checksums: npt.NDArray[np.uint64] | None = None,
-        mapping: mmap.mmap | None = None,
+        mapping: MappedFile | None = None,
     ) -> None:
         self.path = path
         self.size = size
@@ -127,12 +128,15 @@ class LineIndex:
                 continue
             built.sidecar = sidecar
             return built
-        warnings.warn(
-            f"cannot write a line index for {path!r} next to it nor in {os.path.dirname(sidecars[1])!r}; "
-            "keeping it in memory (it will be rebuilt next time)",
-            SidecarWarning,
-            stacklevel=2,
-        )
+        fallback = os.path.dirname(sidecars[1])
+        if fallback not in _WARNED_UNWRITABLE:  # once per directory: not once per file of a thousand shards
+            _WARNED_UNWRITABLE.add(fallback)
+            warnings.warn(
+                f"cannot write a line index for {path!r} next to it nor in {fallback!r}; keeping it in memory "
+                "(it will be rebuilt next time; said once per process for the other files that cannot either)",
+                SidecarWarning,
+                stacklevel=2,
+            )
         return built
 
     @classmethod
@@ -151,7 +155,9 @@ class LineIndex:
             before = os.fstat(data.fileno())
             _check_regular(path, before)
             size = before.st_size
-            has_bom = size >= len(UTF8_BOM) and data.read(len(UTF8_BOM)) == UTF8_BOM
+            head = data.read(max(map(len, COMPRESSED)))
+            _refuse_compressed(path, head)
+            has_bom = head.startswith(UTF8_BOM)
             position = len(UTF8_BOM) if has_bom else 0
             if has_bom:
                 content.update(UTF8_BOM)
@@ -209,6 +215,7 @@ class LineIndex:
         content = xxhash.xxh3_64()
         chunks = _read_ahead_chunks(remote, handle, url, size, kind)
         first = next(chunks, b"")
+        _refuse_compressed(url, first)
         has_bom = first.startswith(UTF8_BOM)
         position = len(UTF8_BOM) if has_bom else 0
         content.update(first[:position])
@@ -266,7 +273,7 @@ class LineIndex:
     def _use(
         self,
         starts: npt.NDArray[np.uint64],
-        mapping: mmap.mmap | None,
+        mapping: MappedFile | None,
         block_checksums: npt.NDArray[np.uint64] | None,
     ) -> None:
         """Read offsets from ``starts``, each block verified against ``block_checksums`` before
@@ -292,12 +299,12 @@ class LineIndex:
         self._verified[block] = True
         self._unverified -= 1
 
-    def _check_mapping(self, mapping: mmap.mmap) -> None:
+    def _check_mapping(self, mapping: MappedFile) -> None:
         """Rebuild the index if its sidecar changed size in place while memory-mapped: reading a
-        map past the end of its file kills the process (SIGBUS). ``mmap.size`` is an ``fstat``."""
-        size = mapping.size()
-        if size != len(mapping):
-            self._rebuild(f"its size went from {len(mapping)} to {size} bytes while in use")
+        map past the end of its file kills the process (SIGBUS)."""
+        size = mapping.cut_to()
+        if size is not None:
+            self._rebuild(f"its size went from {mapping.buffer.size} to {size} bytes while in use")
 
     def _rebuild(self, reason: str) -> None:
         """Replace a corrupt sidecar's offsets by a fresh build of the same data file."""
@@ -407,6 +414,24 @@ def _read_ahead_chunks(remote: Remote, handle: pa.NativeFile, url: str, size: in
 def remote_content_digest(remote: Remote, kind: str, cache_dir: str | None, url: str) -> str:
     """The content digest of the JSONL object ``url``, from its cached line index (built if stale)."""
     return LineIndex.open_remote(remote, url, kind, cache_dir).content_digest
+
+
+_WARNED_UNWRITABLE: set[str] = set()
+"""The cache directories this process has warned it could not write line indices into."""
+
+COMPRESSED = {b"\x1f\x8b": "gzip", b"\x28\xb5\x2f\xfd": "zstd"}
+"""The magic bytes that begin compressed files, which have no line offsets to index (a JSON
+line never begins with these bytes)."""
+
+
+def _refuse_compressed(path: str, head: bytes) -> None:
+    """SourceError if the data file that begins with ``head`` is compressed: indexed, its bytes
+    would be read as lines, each one a malformed record (or, with ``on_error="skip"``, the file
+    silently skipped)."""
+    for magic, name in COMPRESSED.items():
+        if head.startswith(magic):
+            remedy = "read it with rs.jsonl_stream" if name == "gzip" else "decompress it first"
+            raise SourceError(f"data file {path!r} is {name}-compressed and cannot be indexed; {remedy}")
 
 
 def _scan(

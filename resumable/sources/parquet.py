@@ -32,6 +32,7 @@ from resumable.sources.blocks import (
     BlockReader,
 )
 from resumable.sources.files import Paths, WatchedFiles, reading, with_version
+from resumable.sources.open_files import OpenFiles
 from resumable.sources.remote import FRESH_SECONDS
 from resumable.sources.source import PathSource
 
@@ -122,7 +123,8 @@ class ParquetSource(PathSource[dict[str, Any]]):
         )
         self.columns = columns
         self.cache_row_groups = cache_row_groups
-        self._handles: list[pq.ParquetFile | None] = [None] * len(self.paths)
+        self._handles: OpenFiles[pq.ParquetFile] = OpenFiles(len(self.paths))
+        self._metadata: list[pq.FileMetaData | None] = [None] * len(self.paths)  # each file's footer, parsed once
         if remote is None:
             self._files = WatchedFiles.of(self.kind, self.paths, footer_digest)
         else:
@@ -186,8 +188,7 @@ class ParquetSource(PathSource[dict[str, Any]]):
         object's blocks (pyarrow reads the footer and each column chunk as byte ranges)."""
         remote = self._remote
         if remote is None:
-            with reading(f"{self.kind}: cannot read {self.paths[file]!r}"):
-                opened = pa.OSFile(self.paths[file], "r")
+            opened = pa.OSFile(self.paths[file], "r")  # an OSError as it is: OpenFiles retries when out of descriptors
             try:
                 self._files.check_opened(file, opened.fileno())  # what the last check saw
             except BaseException:
@@ -200,14 +201,16 @@ class ParquetSource(PathSource[dict[str, Any]]):
         return versioned_footer_digest(reader, version)
 
     def _file(self, file: int) -> pq.ParquetFile:
-        handle = self._handles[file]
-        if handle is None:
-            # Opened lazily (again after pickling): it must be the file the pipeline was built on.
-            self._files.check(file)
-            source = self._source(file)
-            with reading(f"{self.kind}: cannot read {self.paths[file]!r} as Parquet"):
-                handle = pq.ParquetFile(source)
-            self._handles[file] = handle
+        """File ``file`` open, within the process's budget of open files (``OpenFiles``)."""
+        with reading(f"{self.kind}: cannot read {self.paths[file]!r} as Parquet"):
+            return self._handles.get(file, self._open_file)
+
+    def _open_file(self, file: int) -> pq.ParquetFile:
+        """Opened lazily, and again after being let go or pickled: it must be the file the
+        pipeline was built on. Its footer is parsed once."""
+        self._files.check(file)
+        handle = pq.ParquetFile(self._source(file), metadata=self._metadata[file])
+        self._metadata[file] = handle.metadata
         return handle
 
     def _read_row_group(self, group: int, private_handle: bool = False) -> pa.Table:
@@ -219,7 +222,7 @@ class ParquetSource(PathSource[dict[str, Any]]):
         handle = self._file(file)
         with reading(f"{self.kind}: cannot decode row group {int(self._group_local[group])} of {self.paths[file]!r}"):
             if private_handle:
-                handle = pq.ParquetFile(self._source(file), metadata=handle.metadata)
+                handle = pq.ParquetFile(self._source(file), metadata=handle.metadata)  # closed when dropped
             table = handle.read_row_group(int(self._group_local[group]), columns=self.columns)
             table.validate(full=True)  # what to_pylist will trust: offsets in bounds, valid UTF-8
         return table
@@ -294,7 +297,7 @@ class ParquetSource(PathSource[dict[str, Any]]):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state["_handles"] = [None] * len(self.paths)
+        state["_metadata"] = [None] * len(self.paths)
         state["_cache"] = OrderedDict()
         return state
 

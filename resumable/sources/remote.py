@@ -210,8 +210,9 @@ class Remote:
         return info
 
     def expand(self, patterns: list[str], kind: str) -> list[str]:
-        """Names of the objects ``patterns`` mean: each glob listed once and sorted. Explicit
-        names are checked when the source opens them (one request fewer per object)."""
+        """Names of the objects ``patterns`` mean: each glob listed once and sorted, or the one
+        object a pattern names exactly (``shard[0].jsonl``), as for local files. Explicit names
+        are checked when the source opens them (one request fewer per object)."""
         names: list[str] = []
         for pattern in patterns:
             if not glob.has_magic(pattern):
@@ -223,10 +224,10 @@ class Remote:
             base = path[: min(path.find(c) for c in "*?[" if c in path)].rpartition("/")[0]
             selector = pafs.FileSelector(base, allow_not_found=True, recursive=True)
             infos = self.call(f"{kind}: cannot list {pattern!r}", lambda: self.filesystem.get_file_info(selector))
+            files = [info.path for info in infos if info.type == pafs.FileType.File]
             wanted = glob_regex(path)
-            matches = sorted(
-                scheme + info.path for info in infos if info.type == pafs.FileType.File and wanted.fullmatch(info.path)
-            )
+            matches = [path] if path in files else sorted(name for name in files if wanted.fullmatch(name))
+            matches = [scheme + name for name in matches]
             if not matches:
                 bucket = path.split("/", 1)[0]
                 found = self.call(f"{kind}: cannot list {pattern!r}", lambda: self.filesystem.get_file_info(bucket))

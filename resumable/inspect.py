@@ -17,7 +17,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -111,22 +110,14 @@ def load_any(path: str) -> list[tuple[str, Any]]:
 
 def _load_dcp(path: str) -> Any:
     """A ``torch.distributed.checkpoint`` directory's contents, its metadata checked first
-    (``read_metadata``: a crafted one runs no code); the data files are read by
-    ``torch.load(weights_only=True)``."""
-    import torch
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    (``read_metadata``: a crafted one runs no code) and its byte entries read by
+    ``torch.load(weights_only=True)``, in this process alone."""
+    from resumable.torch.distributed import load_checkpoint, read_metadata
 
-    from resumable.torch.distributed import read_metadata
-
-    with tempfile.TemporaryDirectory() as tmp:
-        target = os.path.join(tmp, "state.pt")
-        try:
-            read_metadata(path)
-            dcp_to_torch_save(path, target)
-            return torch.load(target, weights_only=True, map_location="cpu")
-        except (Exception, CheckpointException) as error:  # torch's is a BaseException
-            raise _unreadable(path, "cannot read this torch.distributed.checkpoint", error) from error
+    read_metadata(path)
+    contents: dict[str, Any] = {}
+    load_checkpoint(contents, path, rebuild=True)
+    return contents
 
 
 def _unreadable(path: str, what: str, error: BaseException) -> StateError:

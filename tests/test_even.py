@@ -187,17 +187,23 @@ def test_whole_epoch_packing_carries_rows_across_epochs() -> None:
         check_resume(build, 3, 14, k2=9)
 
 
-def test_restored_state_needs_no_agreement() -> None:
-    """A state taken mid-epoch holds the agreed count: continuing it calls no collective."""
+def test_a_restored_state_keeps_its_count_and_takes_part_in_the_agreement_once_more() -> None:
+    """A state taken mid-epoch holds the agreed count, which it keeps; at its next item it takes
+    part in its epoch's agreement once more, offering what it offered (9: its count 7 and the
+    carry 2), so that a consumer restored from before the agreement (a DataLoader worker that
+    had handed out nothing yet) finds every consumer's offer instead of waiting for ever."""
     with elsewhere(7):
         pipe = Even(rs.from_list(list(range(9))).shuffle(0))
         take(pipe, 3)
         state = json.loads(json.dumps(pipe.get_state()))
     resumed = Even(rs.from_list(list(range(9))).shuffle(0))
     resumed.set_state(state)
-    with mock.patch.object(even, "agree_min", side_effect=AssertionError("no collective expected")):
+    offers: list[int] = []
+    with mock.patch.object(even, "agree_min", lambda offer, group=None: offers.append(offer) or min(offer, 7)):
+        assert resumed.get_state() == state  # nothing happens before its next item
         assert len(list(resumed)) == 7 - 3
-    assert resumed.quota == 7
+        assert offers == [9] and resumed.quota == 7 and resumed.leftover == 2
+        assert len(list(resumed)) == 7 and offers == [9, 11]  # the next epoch agrees as usual: 2 carried + 9
 
 
 RECORDS = [{"id": i, "input_ids": list(range(i % 5 + 1))} for i in range(8)]

@@ -458,11 +458,6 @@ def step_locked_states(steps: int) -> list[dict[str, Any]]:
     return states
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a list of every rank's state on the same topology is refused ('old ranks were in "
-    "different epochs') when one rank is an epoch ahead; each rank's own state loads fine",
-)
 def test_the_list_on_the_same_topology_loads_own_state_when_a_rank_is_an_epoch_ahead() -> None:
     states = step_locked_states(4)
     assert [state["epoch"] for state in states] == [0, 1]
@@ -532,11 +527,6 @@ def damage(directory: Path, how: str) -> None:
         part.write_bytes(b"x" * part.stat().st_size)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: load_all_ranks of a checkpoint whose rank file is damaged or missing raises torch's "
-    "CheckpointException (a BaseException) instead of rs.StateError naming the file",
-)
 @pytest.mark.parametrize("how", ["truncated", "missing", "garbage"])
 def test_load_all_ranks_of_a_damaged_rank_file_is_a_state_error(tmp_path: Path, how: str) -> None:
     checkpoint = saved_checkpoint(tmp_path / "dcp")
@@ -570,11 +560,6 @@ def crafted_checkpoint(tmp_path: Path) -> tuple[Path, Path]:
     return checkpoint, marker
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: load_all_ranks runs code from a crafted .distcp: torch's DefaultLoadPlanner.load_bytes "
-    "unpickles each entry with weights_only=False (only .metadata is read safely)",
-)
 def test_load_all_ranks_runs_no_code_from_a_crafted_rank_file(tmp_path: Path) -> None:
     checkpoint, marker = crafted_checkpoint(tmp_path)
     with contextlib.suppress(BaseException):  # refused is fine; running the code is not
@@ -582,11 +567,6 @@ def test_load_all_ranks_runs_no_code_from_a_crafted_rank_file(tmp_path: Path) ->
     assert not marker.exists()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: inspect runs code from a crafted .distcp: dcp_to_torch_save unpickles each entry with "
-    "weights_only=False before the weights_only torch.load of its output",
-)
 def test_inspect_runs_no_code_from_a_crafted_rank_file(tmp_path: Path) -> None:
     checkpoint, marker = crafted_checkpoint(tmp_path)
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
@@ -621,8 +601,9 @@ def test_per_rank_on_fewer_ranks_is_a_state_error_naming_the_world_size(tmp_path
 
 @pytest.mark.xfail(
     strict=True,
-    reason="BUG: dcp.load of PerRank on a rank the checkpoint lacks (more ranks than saved it) raises "
-    "torch's CheckpointException 'Missing key ... data.rank_1', not the StateError PerRank words for it",
+    reason="a known limit, documented in docs/torch.md (Checkpoint files): dcp.load of PerRank on a rank the "
+    "checkpoint lacks fails in torch's planner (CheckpointException) before PerRank is asked; "
+    "rst.load_all_ranks is the way to more ranks",
 )
 def test_per_rank_on_a_rank_the_checkpoint_lacks_is_a_state_error(tmp_path: Path) -> None:
     checkpoint = saved_checkpoint(tmp_path / "dcp")  # rank 0 of 1
@@ -663,12 +644,6 @@ def build_even() -> rs.Node:
     return rs.from_list(list(range(11))).shuffle(seed=3).shard().batch(1).even()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: with .even() in Loader workers, a state taken before every worker handed out a batch of "
-    "the epoch hangs a new Loader (same or new job) until the group's timeout: the worker that had not "
-    "agreed waits for store keys the others never set again (DistStoreError)",
-)
 def test_even_in_workers_resumes_a_state_taken_before_every_worker_handed_out_a_batch() -> None:
     with group_of_one(timeout_s=3):  # the bug waits this long (twice), then raises
         expected = flat(list(rst.Loader(build_even, num_workers=2)))

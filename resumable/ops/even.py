@@ -211,6 +211,7 @@ class Even(Node[Any]):
         self._carry = 0
         self._counted = 0  # upstream epochs whose length is counted
         self._started = 1  # upstream epochs entered (the upstream starts inside its first)
+        self._rejoin = False  # restored after this epoch's agreement: take part in it once more
 
     @property
     def leftover(self) -> int:
@@ -234,6 +235,9 @@ class Even(Node[Any]):
             if self.times is not None and self.epoch >= self.times:
                 raise StopIteration
             quota = self._agree()
+        elif self._rejoin:
+            self._rejoin = False
+            self._agree_min(self._carry + quota)  # the offer it made: carry is offer - quota until the epoch ends
         if self._yielded >= quota:
             raise StopIteration
         upstream = self.upstream
@@ -310,6 +314,7 @@ class Even(Node[Any]):
         self.epoch = self.epoch + 1 if epoch is None else epoch
         self._yielded = 0
         self._quota = None
+        self._rejoin = False
         self._ended = False
 
     def _progress(self) -> dict[str, Any]:
@@ -344,6 +349,11 @@ class Even(Node[Any]):
         self._quota, self._yielded = quota, yielded
         self._carry = carry
         self._counted, self._started = counted, started
+        # Every consumer restores, some saved before the epoch's agreement and some after (a
+        # state taken before each DataLoader worker handed out its first batch of the epoch, or a
+        # rank whose first item came later): those before wait in it for every consumer, so
+        # those after take part in it again at their next item, with the offer they made.
+        self._rejoin = quota is not None
         if quota == 0 and counted == 0:
             # Rescaled after every old rank had finished this epoch (``_rescale``): what remains
             # of the upstream epoch, now loaded, is the old ranks' carry, counted already. So it

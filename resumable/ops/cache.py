@@ -406,7 +406,7 @@ class Cache(IndexedNode[T]):
         self.computed += len(records)
         return records
 
-    def _failed(self, error: Exception) -> _Failed:
+    def _failed(self, error: Exception, _leaf: int) -> _Failed:
         self._failures += 1  # from now on, runs of records are checked for failed ones
         if isinstance(error, StopIteration):  # raised again inside map(), it would end the run
             error = stop_error(f"{self.kind}: a function mapped over its upstream's records", None, error)

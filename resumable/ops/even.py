@@ -252,6 +252,12 @@ class Even(Node[Any]):
                 upstream.next_epoch()
                 self._started += 1
                 continue
+            except Exception:
+                # an error at its item (a map's, a collate function's): the item is gone, as
+                # without .even(), and counts against the quota, so the epoch still ends at the
+                # same step on every rank and its upstream's epoch at its length
+                self._yielded += 1
+                raise
             self._yielded += 1
             return item
 

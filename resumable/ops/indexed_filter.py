@@ -41,7 +41,7 @@ from tqdm import tqdm
 
 from resumable._worker_signals import init_pool_worker
 from resumable.checkpoint import NO_LOCKS, write_atomically
-from resumable.core.indexed import MAX_CHUNK, IndexedNode
+from resumable.core.indexed import MAX_CHUNK, IndexedNode, read_ahead_failure
 from resumable.core.options import directory_option, flag_option, int_option
 from resumable.errors import ConfigError, SourceError
 from resumable.ops.cache import _function_fingerprint, fingerprint
@@ -103,7 +103,7 @@ def _chunks(
         raws = upstream._raw_chunk(position, min(MAX_CHUNK, stop - position), 0)
         positions = np.arange(position, position + len(raws), dtype=np.int64)
         leaves = upstream._leaf_indices(positions, 0)
-        decoded = list(upstream._decoded(raws, leaves, skip))
+        decoded = list(upstream._decoded(raws, leaves, skip, read_ahead_failure("IndexedFilter")))
         if len(decoded) < len(raws):  # leaf indices rise with positions in an accepted upstream
             found = np.fromiter((leaf for leaf, _ in decoded), dtype=np.int64, count=len(decoded))
             positions = positions[np.searchsorted(leaves, found)]

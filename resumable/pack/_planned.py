@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Iterator, cast
 
 import numpy as np
 
-from resumable.core.indexed import EPOCH, MAX_CHUNK, POSITION, IndexedNode
+from resumable.core.indexed import EPOCH, MAX_CHUNK, POSITION, IndexedNode, read_ahead_failure
 from resumable.core.keys import RecordKey
 from resumable.core.state import ENDED, UPSTREAM, require, require_adjacent_epochs, require_count, short_repr
 from resumable.errors import ResumableError, StateError
@@ -38,6 +38,8 @@ if TYPE_CHECKING:
     from resumable.pack._documents import Documents
     from resumable.pack.node import Pack
 
+PLANNER = "Pack(strategy='bfd')"
+"""How errors of a whole-epoch plan's reading name the packer."""
 ROW_ORDER = "row_order"
 """State entry: the order of the plan's rows, one of ``ROW_ORDERS``. States saved before it
 existed lack it and hold row indices of ``FIRST_PIECE`` plans, so they are planned that way again
@@ -125,7 +127,7 @@ class PlannedRows:
     def _own_records(self, epoch: int) -> Iterator[tuple[int, Any]]:
         """``(leaf index, record)`` of this consumer's epoch, read by random access."""
         upstream = self._upstream
-        return upstream._scan(0, upstream._length(epoch), epoch, skip=True)
+        return upstream._scan(0, upstream._length(epoch), epoch, skip=True, failed=read_ahead_failure(PLANNER))
 
     def _fetch_cached(self, key: RecordKey) -> Document:
         """A record as a ``Document``; the last one is kept, as a long document's rows come in a row."""
@@ -366,7 +368,7 @@ class Leftover:
             pack, path = self._pack, self._path
             leaves = self.stride.leaves(path)
             try:
-                records = self._cursor._scan_leaves(leaves, skip=True)
+                records = self._cursor._scan_leaves(leaves, skip=True, failed=read_ahead_failure(PLANNER))
                 plan = make_plan(pack._documents, pack.max_documents, self.epoch, records, self.row_order)
             except (IndexError, ResumableError) as exc:
                 raise StateError(f"{path}: cannot plan epoch {self.epoch} of an old consumer again: {exc}") from exc

@@ -10,10 +10,10 @@ at the start, the middle, the last row, after it, across epochs and twice in a r
 and 2 workers. Files touched, copied, rewritten, removed or added between save and restore,
 Hugging Face views (indices mappings, formats, concatenations, images) and their misuse.
 
-Bugs found are strict xfails (see each reason): a dataset directory's ``_metadata`` summary is
-read as data (rows counted twice, the run dies at its first read), ``columns=[]`` makes random
-access raise a bare ``IndexError`` and ``.shuffle()`` loop forever, and file names that are not
-UTF-8 and values that do not convert to Python (an out-of-range timestamp) escape as bare
+Bugs it found, mended since: a dataset directory's ``_metadata`` summary was read as data (rows
+counted twice, the run died at its first read), ``columns=[]`` made random access raise a bare
+``IndexError`` and ``.shuffle()`` loop forever, and file names that are not UTF-8 and values
+that do not convert to Python (an out-of-range timestamp) escaped as bare
 ``UnicodeEncodeError`` / ``OverflowError``. A Parquet glob of more files than the descriptor
 limit failed while this file was written (one descriptor held per file); it was mended meanwhile
 (``resumable/sources/open_files.py``) and its test stays as a regression test.
@@ -46,6 +46,7 @@ import resumable as rs
 import resumable.torch as rst
 from resumable.elastic import restore
 from resumable.pack import collate_rows
+from resumable.sources.parquet import ParquetSource
 from tests.resume import check_resume, plain, roundtrip, take
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -772,13 +773,6 @@ def test_a_parquet_glob_of_more_files_than_the_descriptor_limit_opens_and_reads(
     assert sorted(ids) == list(range(2 * files))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: rs.parquet over 'dir/*' (the glob its own directory error suggests) of a dataset directory with a "
-    "'_metadata' summary (Dask, pyarrow write_metadata) counts the summary's row groups as rows (len 20 for 10) "
-    "and the run dies at its first read ('cannot decode row group 0 of .../_metadata'); pyarrow skips '_' files. "
-    "It should skip such summaries or refuse them at construction",
-)
 def test_a_dataset_directory_with_a_metadata_summary(tmp_path: Path) -> None:
     directory = tmp_path / "out.parquet"
     directory.mkdir()
@@ -801,13 +795,6 @@ def test_a_dataset_directory_with_a_metadata_summary(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a file name that is not UTF-8 (legal on Linux; rs.jsonl reads it) makes rs.parquet and rs.arrow "
-    "raise a bare UnicodeEncodeError from pyarrow (pa.OSFile / pa.memory_map in parquet.py _source and arrow.py "
-    "_read_batches; READ_ERRORS lacks it); it should be read (e.g. through a Python file object) or be a "
-    "SourceError naming the file",
-)
 def test_a_file_name_that_is_not_utf8(tmp_path: Path, kind: str) -> None:
     staged = write_kind(kind, tmp_path / "staged", token_table(list(range(5))), 2)
     name = os.fsdecode(os.fsencode(str(tmp_path)) + b"/caf\xe9.data")
@@ -821,12 +808,6 @@ def test_a_file_name_that_is_not_utf8(tmp_path: Path, kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", [*KINDS, "hf"])
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a value that does not convert to Python (a timestamp past year 9999, a date past "
-    "datetime's range) raises a bare OverflowError from to_pylist() in _raw_range/_raw_at, naming no file, "
-    "row group or batch; it should be a SourceError naming them, as a corrupt row group is",
-)
 def test_a_value_out_of_python_s_range_is_a_source_error_naming_the_file(tmp_path: Path, kind: str) -> None:
     data = pa.table({"id": [0, 1, 2], "when": pa.array([0, 1, 10**12], pa.timestamp("s"))})
     if kind == "hf":
@@ -840,7 +821,7 @@ def test_a_value_out_of_python_s_range_is_a_source_error_naming_the_file(tmp_pat
     with pytest.raises(rs.SourceError, match=where):
         for record in source:
             records.append(record)
-    assert records == data.to_pylist()[: len(records)]
+    assert records == data.slice(0, len(records)).to_pylist()
 
 
 @contextlib.contextmanager
@@ -860,13 +841,6 @@ def deadline(seconds: float) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: rs.parquet(path, columns=[]) reads in order (20 empty dicts) but random access raises a bare "
-    "IndexError and .shuffle() loops forever: group_take uses pa.Table.take, which returns no rows for a "
-    "table without columns, and the cursor keeps asking for the chunk that came back empty. It should give "
-    "{} per row (as sequential reading and rs.arrow do) or refuse columns=[] with a ConfigError",
-)
 def test_parquet_with_an_empty_column_selection_reads_at_random_and_shuffled(tmp_path: Path) -> None:
     path = write_parquet(tmp_path / "a.parquet", token_table(list(range(20))), 6)
     try:
@@ -878,3 +852,42 @@ def test_parquet_with_an_empty_column_selection_reads_at_random_and_shuffled(tmp
     with deadline(10):
         shuffled = list(rs.parquet(path, columns=[]).shuffle(seed=2))
     assert shuffled == [{}] * 20
+
+
+def test_a_dataset_with_a_transform_is_a_config_error() -> None:
+    """A transform changes what ``dataset[i]`` gives; from_hf reads the table, so it would be
+    silently skipped: refused, naming the remedy (the same function as a ``.map()``)."""
+    dataset = datasets.Dataset.from_dict({"id": [0, 1, 2]})
+    doubled = dataset.with_transform(lambda batch: {"id": [2 * value for value in batch["id"]]})
+    with pytest.raises(rs.ConfigError, match="transform"):
+        rs.from_hf(doubled)
+    assert list(rs.from_hf(doubled.with_format(None))) == [{"id": 0}, {"id": 1}, {"id": 2}]
+    assert list(rs.from_hf(dataset.with_format("numpy"))) == [{"id": 0}, {"id": 1}, {"id": 2}]  # formats: ignored
+
+
+def test_an_explicit_metadata_summary_is_refused_naming_it(tmp_path: Path) -> None:
+    directory = tmp_path / "out.parquet"
+    directory.mkdir()
+    collected: list[Any] = []
+    data = pa.table({"id": [0, 1, 2]})
+    pq.write_table(data, str(directory / "part.0.parquet"), metadata_collector=collected)
+    collected[-1].set_file_path("part.0.parquet")
+    pq.write_metadata(data.schema, str(directory / "_metadata"), metadata_collector=collected)
+    with pytest.raises(rs.SourceError, match=r"_metadata.*summary"):
+        rs.parquet(str(directory / "_metadata"))
+    assert list(rs.parquet([str(directory / "part.0.parquet")])) == data.to_pylist()
+
+
+def test_a_source_that_gives_no_record_where_its_length_says_some_is_a_source_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cursor and the scans ask a source for the records its length promises; one that
+    gives none (a reader's bug, a file changed under a cache) is a SourceError, not a loop."""
+    path = write_parquet(tmp_path / "a.parquet", token_table(list(range(20))), 6)
+    monkeypatch.setattr(ParquetSource, "_raw_at", lambda self, indices: [])
+    monkeypatch.setattr(ParquetSource, "_raw_range", lambda self, start, count: [])
+    for build in (lambda: rs.parquet(path), lambda: rs.parquet(path).shuffle(seed=1)):
+        with deadline(10), pytest.raises(rs.SourceError, match="gave no record at position 0"):
+            next(build())
+    with deadline(10), pytest.raises(rs.SourceError, match="gave no record"):
+        len(rs.parquet(path).filter(bool, index=True, progress=False))

@@ -229,6 +229,17 @@ class IndexedNode(Node[T]):
         positions = np.arange(start, start + count, dtype=np.int64)
         return self.leaf._raw_at(self._leaf_indices(positions, epoch))
 
+    def _read_chunk(self, start: int, count: int, epoch: int) -> Sequence[Any]:
+        """``_raw_chunk``, which must give at least one record: a source that gives none where
+        its length says there are records would have its readers ask for them for ever."""
+        raws = self._raw_chunk(start, count, epoch)
+        if not raws:
+            raise SourceError(
+                f"{self!r}: its source gave no record at position {start} of epoch {epoch} where its length "
+                f"says there are {count} or more"
+            )
+        return raws
+
     def _reads_ahead(self) -> bool:
         """Whether this leaf gains from ``_read_ahead`` (a remote source); the cursor computes
         the leaf indices of its next chunk only for one that does."""
@@ -355,7 +366,7 @@ class IndexedNode(Node[T]):
         record whose decoding or maps raise is ``failed(error, leaf)`` instead (which may raise)."""
         position = start
         while position < stop:
-            raws = self._raw_chunk(position, min(MAX_CHUNK, stop - position), epoch)
+            raws = self._read_chunk(position, min(MAX_CHUNK, stop - position), epoch)
             leaves = self._leaf_indices(np.arange(position, position + len(raws), dtype=np.int64), epoch)
             position += len(raws)
             yield from self._decoded(raws, leaves, skip, failed)
@@ -556,7 +567,7 @@ class IndexedNode(Node[T]):
             # the chunk sizes: the first record waits for no other (a remote leaf reads the
             # next chunk ahead meanwhile).
             first = not self._raws
-            raws, offset = self._raw_chunk(start, 1 if first else min(size, total - start), self._epoch), 0
+            raws, offset = self._read_chunk(start, 1 if first else min(size, total - start), self._epoch), 0
             if not first:
                 size = min(size * 2, MAX_CHUNK)
             following = start + len(raws)

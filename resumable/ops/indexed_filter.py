@@ -100,7 +100,7 @@ def _chunks(
     left out of ``positions`` and ``records``."""
     position = start
     while position < stop:
-        raws = upstream._raw_chunk(position, min(MAX_CHUNK, stop - position), 0)
+        raws = upstream._read_chunk(position, min(MAX_CHUNK, stop - position), 0)
         positions = np.arange(position, position + len(raws), dtype=np.int64)
         leaves = upstream._leaf_indices(positions, 0)
         decoded = list(upstream._decoded(raws, leaves, skip, read_ahead_failure("IndexedFilter")))

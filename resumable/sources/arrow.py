@@ -33,7 +33,8 @@ from resumable.sources.blocks import (
     BlockReader,
 )
 from resumable.sources.files import NAME, Paths, WatchedFiles, reading, with_version
-from resumable.sources.parquet import group_take
+from resumable.sources.open_files import MappedFile
+from resumable.sources.parquet import group_take, python_rows
 from resumable.sources.remote import FRESH_SECONDS
 from resumable.sources.source import FileSource, PathSource
 
@@ -49,8 +50,7 @@ def ipc_digest(path: str) -> str:
     schema, and every record batch's row count, null counts and buffer offsets and lengths.
     Any rewrite that changes the layout changes it; an edit of values in place that keeps every
     length does not. Reads the messages' metadata only, not their bodies."""
-    with pa.memory_map(path, "r") as source:
-        return file_ipc_digest(source)
+    return file_ipc_digest(pa.BufferReader(MappedFile.of(path).buffer))
 
 
 def object_ipc_digest(handle: pa.NativeFile) -> str:
@@ -69,18 +69,18 @@ def file_ipc_digest(source: pa.NativeFile) -> str:
 
 
 def _read_batches(
-    path: str, kind: str, data: pa.Buffer | None, opened: Callable[[int], None] | None = None
+    path: str, kind: str, data: pa.Buffer | None, opened: Callable[[os.stat_result], None] | None = None
 ) -> list[pa.RecordBatch]:
     """Record batches of an Arrow IPC file (file or streaming format): memory-mapped for a
-    local file (``opened`` is given its descriptor once mapped), from ``data``, its bytes
-    (``_object_buffer``), for a remote object."""
-    if data is not None:
-        source = pa.BufferReader(data)
-    else:
+    local file, without a descriptor (``opened`` is given the ``os.stat`` of what was mapped),
+    from ``data``, its bytes (``_object_buffer``), for a remote object."""
+    if data is None:
         with reading(f"{kind}: cannot open {path!r}"):
-            source = pa.memory_map(path, "r")
+            mapped = MappedFile.of(path)
         if opened is not None:
-            opened(source.fileno())
+            opened(mapped.opened)
+        data = mapped.buffer
+    source = pa.BufferReader(data)
     with reading(f"{kind}: {path!r} is neither an Arrow IPC file nor an Arrow IPC stream"):
         try:
             reader_ = pa.ipc.open_file(source)
@@ -211,9 +211,9 @@ class ArrowSource(PathSource[dict[str, Any]]):
             self._valid[index] = True
         return batch
 
-    def _opened_check(self, file: int) -> Callable[[int], None] | None:
-        """What ``_read_batches`` runs on local file ``file`` once mapped (``check_opened``)."""
-        return None if self._remote is not None else functools.partial(self._files.check_opened, file)
+    def _opened_check(self, file: int) -> Callable[[os.stat_result], None] | None:
+        """What ``_read_batches`` runs on local file ``file`` once mapped (``check_stat``)."""
+        return None if self._remote is not None else functools.partial(self._files.check_stat, file)
 
     def _object_data(self, file: int) -> pa.Buffer | None:
         """The bytes of remote file ``file`` (through the block caches); None for a local file."""
@@ -226,11 +226,14 @@ class ArrowSource(PathSource[dict[str, Any]]):
         index = int(np.searchsorted(self._batch_starts, start, side="right")) - 1
         row = start - int(self._batch_starts[index])
         batch = self._batch(index)
-        rows: list[dict[str, Any]] = batch.slice(row, min(count, batch.num_rows - row)).to_pylist()
-        return rows
+        return python_rows(batch.slice(row, min(count, batch.num_rows - row)), self._batch_name(index))
 
     def _raw_at(self, indices: np.ndarray) -> Sequence[dict[str, Any]]:
-        return group_take(indices, self._batch_starts, self._batch)
+        return group_take(indices, self._batch_starts, self._batch, self._batch_name)
+
+    def _batch_name(self, index: int) -> str:
+        """Record batch ``index`` (global numbering) as errors name it: its file and its number there."""
+        return f"{self.kind}: record batch {self._batch_local[index]} of {self.paths[self._batch_file[index]]!r}"
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -261,6 +264,12 @@ class HfSource(FileSource[dict[str, Any]]):
             raise ConfigError(
                 f"{self.kind}: expected a map-style datasets.Dataset, got {type(dataset).__name__} "
                 "(pick a split of a DatasetDict; IterableDataset has no random access)"
+            )
+        if dataset.format.get("type") == "custom":
+            raise ConfigError(
+                f"{self.kind}: the dataset has a transform (set_transform or with_transform), which from_hf would "
+                "not apply (it reads the Arrow table, as dataset[i] without a format would): apply the function "
+                "with .map() on the pipeline instead, on dataset.with_format(None)"
             )
         self.dataset = dataset
         self._fingerprint: str = str(dataset._fingerprint)
@@ -345,13 +354,16 @@ class HfSource(FileSource[dict[str, Any]]):
         row = start - int(self._batch_starts[index])
         self._check_files((index,))
         batch = self._batch(index)
-        rows: list[dict[str, Any]] = batch.slice(row, min(count, batch.num_rows - row)).to_pylist()
-        return rows
+        return python_rows(batch.slice(row, min(count, batch.num_rows - row)), self._batch_name(index))
 
     def _raw_at(self, indices: np.ndarray) -> Sequence[dict[str, Any]]:
         rows = self._table_rows(indices)
         self._check_files(np.unique(np.searchsorted(self._batch_starts, rows, side="right") - 1).tolist())
-        return group_take(rows, self._batch_starts, self._batch)
+        return group_take(rows, self._batch_starts, self._batch, self._batch_name)
+
+    def _batch_name(self, index: int) -> str:
+        """Record batch ``index`` of the dataset's table as errors name it."""
+        return f"{self.kind}: record batch {index} of the dataset's table"
 
     def _decoder(self) -> Callable[[Any], Any] | None:
         return self._features_decode

@@ -79,6 +79,17 @@ def path_patterns(paths: Any, kind: str) -> list[str]:
 
 
 OWN_FILES = (SIDECAR_SUFFIX, SIDECAR_SUFFIX + LOCK_SUFFIX)
+DATASET_SUMMARIES = ("_metadata", "_common_metadata")
+"""Files a Parquet dataset directory holds beside its parts (Spark, Dask and pyarrow write them):
+summaries of the other files' footers, no data of their own."""
+
+
+def globbed(name: str) -> bool:
+    """Whether a glob's match is read: not a file this library writes beside data files, nor
+    a dataset directory's summary (``DATASET_SUMMARIES``), as pyarrow's own discovery skips."""
+    return not name.endswith(OWN_FILES) and name.rpartition("/")[2] not in DATASET_SUMMARIES
+
+
 """Endings of the files this library writes beside data files (line indices): never data, so
 a glob such as ``data/*`` leaves them out."""
 
@@ -87,7 +98,8 @@ def expand_paths(paths: Paths, kind: str) -> list[str]:
     """Expand globs (sorted, so every process agrees on the order; the line indices this library
     writes beside data files left out) and check each file exists.
 
-    Explicit paths keep the order given; a glob that matches nothing, a missing file or a
+    Explicit paths keep the order given; globs leave out a Parquet dataset's summary files
+    (``_metadata``, ``_common_metadata``). A glob that matches nothing, a missing file or a
     directory raises SourceError naming it, and so does a match that is a symbolic link to a
     missing file (a shard on a volume that is not mounted: left out, the epoch would silently
     lack it). A path that names an existing file is that file, even where its name reads as a
@@ -112,7 +124,7 @@ def expand_paths(paths: Paths, kind: str) -> list[str]:
                 raise SourceError(
                     f"{kind}: {dangling[0]!r}, which {pattern!r} matches, is a symbolic link to a missing file"
                 )
-            matches = [match for match in found if os.path.isfile(match) and not match.endswith(OWN_FILES)]
+            matches = [match for match in found if os.path.isfile(match) and globbed(match)]
             if not matches:
                 raise SourceError(f"{kind}: no files match {pattern!r}")
             files.extend(matches)
@@ -244,8 +256,11 @@ class WatchedFiles:
         ``SourceError`` unless what was opened is what the path names now, unchanged. A file
         replaced between the check and the open, then put back with its size and mtime, would
         otherwise leave the reader with the replaced bytes while every later check passes."""
+        self.check_stat(file, os.fstat(descriptor))
+
+    def check_stat(self, file: int, opened: os.stat_result) -> None:
+        """``check_opened`` given the ``os.stat_result`` of what was opened (a ``MappedFile``'s)."""
         path = self.fingerprints[file][NAME]
-        opened = os.fstat(descriptor)
         with reading(f"{self.kind}: cannot read {path!r}"):
             current = os.stat(path)
         if (opened.st_dev, opened.st_ino) != (current.st_dev, current.st_ino):

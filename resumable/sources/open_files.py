@@ -14,6 +14,7 @@ keep every file open, as each memory map or handle holds a descriptor and a proc
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import threading
 import weakref
@@ -113,25 +114,37 @@ class OpenFiles(Generic[T]):
 
 class MappedFile(NamedTuple):
     """A file memory-mapped read-only without a descriptor (pyarrow maps it and closes the file;
-    the map lives as long as ``buffer``), and the file it maps (``path``, device and inode), so
+    the map lives as long as ``buffer``), and what was opened (``opened``, its ``os.stat``), so
     that a cut in place is caught before a read: reading a map past the end of its file kills
     the process (SIGBUS)."""
 
     buffer: pa.Buffer
     path: str
-    device: int
-    inode: int
+    opened: os.stat_result
 
     @classmethod
     def of(cls, path: str) -> MappedFile:
-        """``path`` mapped whole; OSError if it cannot be opened."""
-        source = pa.memory_map(path, "r")
+        """``path`` mapped whole; OSError if it cannot be opened. A name pyarrow cannot pass on
+        (bytes that are not UTF-8, legal in a Linux file name) is mapped by Python's ``mmap``,
+        which holds a descriptor while the map lives."""
+        try:
+            source = pa.memory_map(path, "r")
+        except UnicodeEncodeError:
+            return cls._of_odd_name(path)
         try:
             opened = os.fstat(source.fileno())
             buffer = source.read_buffer()
         finally:
             source.close()
-        return cls(buffer, path, opened.st_dev, opened.st_ino)
+        return cls(buffer, path, opened)
+
+    @classmethod
+    def _of_odd_name(cls, path: str) -> MappedFile:
+        with open(path, "rb") as handle:
+            opened = os.fstat(handle.fileno())
+            if not opened.st_size:  # mmap refuses an empty file
+                return cls(pa.py_buffer(b""), path, opened)
+            return cls(pa.py_buffer(mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)), path, opened)
 
     def cut_to(self) -> int | None:
         """The file's size now if its path still names it at another size (changed in place),
@@ -141,7 +154,7 @@ class MappedFile(NamedTuple):
             now = os.stat(self.path)
         except OSError:
             return None
-        if (now.st_dev, now.st_ino) != (self.device, self.inode) or now.st_size == self.buffer.size:
+        if (now.st_dev, now.st_ino) != (self.opened.st_dev, self.opened.st_ino) or now.st_size == self.buffer.size:
             return None
         return now.st_size
 

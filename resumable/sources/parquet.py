@@ -51,14 +51,35 @@ PARQUET_MAGICS = (b"PAR1", b"PARE")
 """The magic numbers of plain and of encrypted-footer Parquet files."""
 
 
+def python_rows(rows: pa.Table | pa.RecordBatch, where: str) -> list[dict[str, Any]]:
+    """``rows`` as Python dicts; SourceError naming ``where`` (the file and its row group or
+    record batch) for a value Python cannot hold (a timestamp or date past the year 9999, a
+    duration past ``timedelta``'s range)."""
+    try:
+        converted: list[dict[str, Any]] = rows.to_pylist()
+    except (OverflowError, ValueError) as error:
+        raise SourceError(f"{where}: a value has no Python equivalent ({type(error).__name__}: {error})") from error
+    return converted
+
+
+def _taken(piece: pa.Table | pa.RecordBatch, offsets: np.ndarray, where: str) -> list[dict[str, Any]]:
+    """The rows at ``offsets`` of ``piece`` as Python dicts (a table without columns, as
+    ``columns=[]`` reads, takes no rows in Arrow: its rows are empty dicts)."""
+    if not piece.num_columns:
+        return [{} for _ in range(len(offsets))]
+    return python_rows(piece.take(offsets), where)
+
+
 def group_take(
     indices: np.ndarray,
     starts: np.ndarray,
     load: Callable[[int], Any],
+    name: Callable[[int], str],
     is_cached: Callable[[int], bool] | None = None,
 ) -> list[Any]:
     """Records (dicts) at global ``indices``, in that order, where piece ``p`` holds records
-    ``[starts[p], starts[p+1])`` and ``load(p)`` returns it as an Arrow table or record batch.
+    ``[starts[p], starts[p+1])``, ``load(p)`` returns it as an Arrow table or record batch and
+    ``name(p)`` names it in errors.
 
     Each needed piece is loaded and taken from once. With ``is_cached`` (the caller's LRU
     membership), pieces already cached are read first, so that loading the missing ones
@@ -67,16 +88,14 @@ def group_take(
     unique = np.unique(pieces)
     if unique.size == 1:
         piece = int(unique[0])
-        rows: list[dict[str, Any]] = load(piece).take(indices - starts[piece]).to_pylist()
-        return rows
+        return _taken(load(piece), indices - starts[piece], name(piece))
     order = unique.tolist()
     if is_cached is not None:
         order.sort(key=lambda piece: not is_cached(piece))
     out: list[Any] = [None] * len(indices)
     for piece in order:
         slots = np.flatnonzero(pieces == piece)
-        rows = load(piece).take(indices[slots] - starts[piece]).to_pylist()
-        for slot, record in zip(slots.tolist(), rows):
+        for slot, record in zip(slots.tolist(), _taken(load(piece), indices[slots] - starts[piece], name(piece))):
             out[slot] = record
     return out
 
@@ -144,6 +163,13 @@ class ParquetSource(PathSource[dict[str, Any]]):
                 metadata = self._file(file).metadata
                 names = set(metadata.schema.to_arrow_schema().names)
                 rows = [metadata.row_group(group).num_rows for group in range(metadata.num_row_groups)]
+            if metadata.num_columns and any(
+                metadata.row_group(group).column(0).file_path for group in range(metadata.num_row_groups)
+            ):
+                raise SourceError(
+                    f"{self.kind}: {path!r} is a dataset's summary (_metadata) whose row groups lie in other files; "
+                    "read the part files (a glob over the directory leaves summaries out)"
+                )
             missing = [c for c in columns or () if c not in names]
             if missing:
                 raise SourceError(f"{self.kind}: {path!r} has no column(s) {missing}; it has {sorted(names)}")
@@ -188,7 +214,7 @@ class ParquetSource(PathSource[dict[str, Any]]):
         object's blocks (pyarrow reads the footer and each column chunk as byte ranges)."""
         remote = self._remote
         if remote is None:
-            opened = pa.OSFile(self.paths[file], "r")  # an OSError as it is: OpenFiles retries when out of descriptors
+            opened = _open_local(self.paths[file])  # an OSError as it is: OpenFiles retries when out of descriptors
             try:
                 self._files.check_opened(file, opened.fileno())  # what the last check saw
             except BaseException:
@@ -252,15 +278,18 @@ class ParquetSource(PathSource[dict[str, Any]]):
         group = int(np.searchsorted(self._group_starts, start, side="right")) - 1
         row = start - int(self._group_starts[group])
         table = self._row_group(group)
-        rows: list[dict[str, Any]] = table.slice(row, min(count, table.num_rows - row)).to_pylist()
-        return rows
+        return python_rows(table.slice(row, min(count, table.num_rows - row)), self._group_name(group))
 
     def _raw_at(self, indices: np.ndarray) -> Sequence[dict[str, Any]]:
         groups = np.unique(np.searchsorted(self._group_starts, indices, side="right") - 1).tolist()
         missing = [g for g in groups if g not in self._cache]
         if len(missing) > 1 and len(groups) <= self.cache_row_groups:
             self._decode_concurrently(missing)
-        return group_take(indices, self._group_starts, self._row_group, self._cache.__contains__)
+        return group_take(indices, self._group_starts, self._row_group, self._group_name, self._cache.__contains__)
+
+    def _group_name(self, group: int) -> str:
+        """Row group ``group`` (global numbering) as errors name it: its file and its number there."""
+        return f"{self.kind}: row group {int(self._group_local[group])} of {self.paths[int(self._group_file[group])]!r}"
 
     def _reads_ahead(self) -> bool:
         return self._remote is not None
@@ -322,6 +351,15 @@ def column_chunk_spans(
         starts.append(start)
         ends.append(start + max(1, chunk.total_compressed_size))
     return np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
+
+
+def _open_local(path: str) -> pa.NativeFile:
+    """A local file open for pyarrow: a ``pa.OSFile``, or through a Python file object where the
+    name is not UTF-8 (legal in a Linux file name), which pyarrow cannot pass on."""
+    try:
+        return pa.OSFile(path, "r")
+    except UnicodeEncodeError:
+        return pa.PythonFile(open(path, "rb"), mode="r")  # noqa: SIM115 - closed with the NativeFile
 
 
 def footer_digest(path: str) -> str | None:

@@ -38,6 +38,7 @@ from resumable.sources.files import (
     Digest,
     Paths,
     expand_paths,
+    globbed,
     path_patterns,
     read_error,
     with_version,
@@ -224,7 +225,7 @@ class Remote:
             base = path[: min(path.find(c) for c in "*?[" if c in path)].rpartition("/")[0]
             selector = pafs.FileSelector(base, allow_not_found=True, recursive=True)
             infos = self.call(f"{kind}: cannot list {pattern!r}", lambda: self.filesystem.get_file_info(selector))
-            files = [info.path for info in infos if info.type == pafs.FileType.File]
+            files = [info.path for info in infos if info.type == pafs.FileType.File and globbed(info.path)]
             wanted = glob_regex(path)
             matches = [path] if path in files else sorted(name for name in files if wanted.fullmatch(name))
             matches = [scheme + name for name in matches]

@@ -49,20 +49,21 @@ class Swapper:
 @pytest.fixture
 def swapper(monkeypatch: pytest.MonkeyPatch) -> list[Swapper]:
     holder: list[Swapper] = []
-    check, check_opened = files.WatchedFiles.check, files.WatchedFiles.check_opened
+    check, check_stat = files.WatchedFiles.check, files.WatchedFiles.check_stat
 
     def checked(self: files.WatchedFiles, file: int) -> None:
         check(self, file)
         for each in holder:
             each.after_check(self.fingerprints[file][files.NAME])
 
-    def opened_checked(self: files.WatchedFiles, file: int, descriptor: int) -> None:
+    def opened_checked(self: files.WatchedFiles, file: int, opened: os.stat_result) -> None:
         for each in holder:
             each.before_opened_check(self.fingerprints[file][files.NAME])
-        check_opened(self, file, descriptor)
+        check_stat(self, file, opened)
 
+    # check_opened (a descriptor) and a mapped file's check both come through check_stat
     monkeypatch.setattr(files.WatchedFiles, "check", checked)
-    monkeypatch.setattr(files.WatchedFiles, "check_opened", opened_checked)
+    monkeypatch.setattr(files.WatchedFiles, "check_stat", opened_checked)
     return holder
 
 

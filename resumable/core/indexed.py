@@ -233,7 +233,7 @@ class IndexedNode(Node[T]):
         """``_raw_chunk``, which must give at least one record: a source that gives none where
         its length says there are records would have its readers ask for them for ever."""
         raws = self._raw_chunk(start, count, epoch)
-        if not raws:
+        if len(raws) == 0:  # a numpy array for an in-memory source
             raise SourceError(
                 f"{self!r}: its source gave no record at position {start} of epoch {epoch} where its length "
                 f"says there are {count} or more"

@@ -13,6 +13,7 @@ keep every file open, as each memory map or handle holds a descriptor and a proc
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
@@ -102,7 +103,8 @@ class OpenFiles(Generic[T]):
             self._handles = [None] * len(self._handles)
 
     def __del__(self) -> None:
-        self.close()
+        with contextlib.suppress(Exception):  # at interpreter exit, the module's lock may be gone
+            self.close()
 
     def __getstate__(self) -> dict[str, object]:
         """Pickled without its handles (a DataLoader worker opens its own)."""

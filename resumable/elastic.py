@@ -344,7 +344,7 @@ def _shard_and_orders(cursor: IndexedNode[Any]) -> tuple[Shard[Any], list[Order]
         found = node.kind if node is not None else "no indexed node"
         raise ConfigError(
             f"elastic resume needs .shard() in the indexed chain, with only serial .map() and "
-            f".shuffle() after it, found {found} under {cursor.kind}"
+            f".shuffle() after it; in {cursor!r} it found {found} where the shard should be"
         )
     return node, reading_orders
 

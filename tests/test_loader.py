@@ -575,3 +575,19 @@ def test_a_loader_iterator_copied_into_a_forked_child_is_dropped_there_quietly()
         rest = list(held[0])
     with Loader(build, num_workers=2) as reference:
         assert [np.asarray(b).tolist() for b in [first, *rest]] == [np.asarray(b).tolist() for b in reference]
+
+
+def test_len_without_workers_is_the_pipelines_and_with_workers_a_type_error() -> None:
+    """``len(loader)`` (a learning-rate schedule's steps per epoch): without workers, the
+    pipeline's ``len()``, which is the number of batches a pass yields; with workers, a
+    TypeError that says why, not one naming an inner class."""
+
+    def build() -> rs.Node:
+        return rs.from_list(list(range(10))).shuffle(seed=1).shard().batch(3)
+
+    loader = rst.Loader(build)
+    assert len(loader) == 4 == len(list(loader))
+    with pytest.raises(TypeError, match="Filter"):
+        len(rst.Loader(lambda: rs.from_list(list(range(10))).filter(bool).batch(3)))
+    with pytest.raises(TypeError, match="Loader: len.. is unknown with DataLoader workers"):
+        len(rst.Loader(build, num_workers=2))

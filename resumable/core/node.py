@@ -564,9 +564,7 @@ class Node(Generic[T]):
         """Keep the items for which ``predicate`` is true, as they stream past. With ``index``,
         scan a random-access upstream once and keep random access (see ``IndexedNode.filter``)."""
         if flag_option(self.kind, "index", index):
-            raise ConfigError(
-                f"{self.kind}: filter(index=True) needs random access; place it before filter, batch and pack"
-            )
+            raise self._not_indexed("filter(index=True)")
         from resumable.ops.filter import Filter
 
         return Filter(self, predicate)
@@ -600,11 +598,19 @@ class Node(Generic[T]):
 
     def shuffle(self, seed: int = 0, block_size: int | str | None = None, window: int | None = None) -> Node[T]:
         """Global shuffle; needs random access (place it before filter, batch or pack)."""
-        raise ConfigError(f"{self.kind}: shuffle() needs random access; place it before filter, batch and pack")
+        raise self._not_indexed("shuffle()")
 
     def shard(self, rank: int | None = None, world_size: int | None = None, split_workers: bool = True) -> Shard[T]:
         """Partition across ranks; needs random access (place it before filter, batch or pack)."""
-        raise ConfigError(f"{self.kind}: shard() needs random access; place it before filter, batch and pack")
+        raise self._not_indexed("shard()")
+
+    def _not_indexed(self, method: str) -> ConfigError:
+        """The error for ``method``, which needs random access, called on this streaming node."""
+        return ConfigError(
+            f"{self.kind}: {method} needs random access, which {self.kind} does not give (it streams, as filter, "
+            "batch, pack, repeat, mix, prefetch and a parallel map do); place it before filter, batch and pack, "
+            f"and before {self.kind}"
+        )
 
     def __repr__(self) -> str:
         chain = []

@@ -157,6 +157,17 @@ class Loader(StatefulDataLoader):  # type: ignore[misc]  # torchdata is untyped 
             self.dataset.carried = None
         return iterator
 
+    def __len__(self) -> int:
+        """Batches per pass without workers: ``len()`` of the pipeline (this rank's, the current
+        epoch's; a TypeError naming the node where it is unknown). With workers, a TypeError: each
+        worker's share is resolved inside that worker."""
+        if self.num_workers:
+            raise TypeError(
+                "Loader: len() is unknown with DataLoader workers (each worker's share of the pipeline is resolved "
+                "inside it); without workers it is len() of the pipeline"
+            )
+        return len(self.dataset.pipeline)
+
     def _carried(self) -> dict[int, str] | None:
         """Each worker's final pipeline state of the epoch that ended, when the processes that
         held it are gone (fresh workers, or a loaded state) and it holds an ``.even()``, whose

@@ -161,12 +161,6 @@ def mixed_threads(globs: dict[str, str]) -> rs.Node[Any]:
     return rs.mix(components, seed=1, on_end="drop").batch(4).prefetch(2)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: OpenFiles.get lets go down to budget()-1 before opening, outside the lock, so threads "
-    "opening at once all add theirs: budget()+threads-1 handles stay open, where the module says at most "
-    "budget() at once",
-)
 def test_threads_opening_at_once_stay_within_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(open_files, "budget", lambda: 2)
     threads = 3
@@ -343,12 +337,6 @@ def test_out_of_descriptors_lets_go_and_retries_for_real(
 # file names that are not UTF-8
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: rs.parquet of a file whose name is not UTF-8 is a SourceError 'UnsupportedOperation': "
-    "_open_local falls back to pa.PythonFile, whose fileno() ParquetSource._source then asks for "
-    "(check_opened); it should read the file as rs.arrow does",
-)
 def test_parquet_reads_a_file_whose_name_is_not_utf8(tmp_path: Path) -> None:
     path = write_parquet(odd_name(tmp_path, ".parquet"), pa.table({"id": list(range(10))}), 3)
     assert ids(list(rs.parquet(path).shuffle(seed=1))) == ids(list(rs.parquet(path).shuffle(seed=1)))
@@ -388,13 +376,6 @@ def test_names_not_utf8_through_state_json_checkpoint_and_loader_workers(tmp_pat
 NOT_UTF8_KINDS = ["jsonl", "arrow", "cache"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a name that is not UTF-8 is mapped by Python's mmap (MappedFile._of_odd_name), which holds "
-    "a descriptor for the map's life: a JSONL corpus (its sidecars), an Arrow corpus or a disk cache "
-    "directory of such names runs out of descriptors ('Too many open files'; the cache silently computes "
-    "every block again), where docs/sources.md says sidecars, Arrow files and cache blocks hold none",
-)
 @pytest.mark.parametrize("kind", NOT_UTF8_KINDS)
 def test_names_not_utf8_hold_no_descriptor_per_map(tmp_path: Path, kind: str) -> None:
     files = 40
@@ -516,13 +497,6 @@ def test_glob_characters_dangling_links_and_dataset_summaries(tmp_path: Path) ->
     assert ids(list(rs.jsonl(str(tmp_path / "corpus" / "**" / "*.jsonl")))) == [0, 1, 2]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a gzip file given to rs.jsonl is refused only when its index is built "
-    "(LineIndex.build); with a sidecar already beside it (written by the previous version) it is read as "
-    "lines: with on_error='skip' the whole file is silently skipped as one malformed record, and with "
-    "'raise' the error says 'malformed JSON record', not gzip. LineIndex.open/_load should refuse too",
-)
 def test_a_gzip_file_with_a_sidecar_from_before_is_still_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -773,13 +747,6 @@ def test_even_in_persistent_loader_workers_restored_around_the_agreement() -> No
                 assert head + loader_outcomes(resumed, len(expected) - k) == expected, k
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: under .even() every error at an item counts against the quota (Even._next), also a "
-    "source error after which the cursor stays put and the next call reads the record (a file briefly "
-    "unavailable): the epoch then ends before its last record, which is never handed out; without .even() "
-    "iterating on gives every record",
-)
 def test_even_loses_no_record_to_an_error_the_next_call_retries(tmp_path: Path) -> None:
     path = write_jsonl(str(tmp_path / "a.jsonl"), list(range(6)))
 

@@ -242,6 +242,7 @@ class Even(Node[Any]):
             raise StopIteration
         upstream = self.upstream
         while True:
+            before = upstream._mark()  # one per item of .even(), which goes last: per batch
             try:
                 item = next(upstream)
             except StopIteration:
@@ -253,10 +254,13 @@ class Even(Node[Any]):
                 self._started += 1
                 continue
             except Exception:
-                # an error at its item (a map's, a collate function's): the item is gone, as
-                # without .even(), and counts against the quota, so the epoch still ends at the
-                # same step on every rank and its upstream's epoch at its length
-                self._yielded += 1
+                # An error at its item (a map's, a collate function's) moved the upstream on: the
+                # item is gone, as without .even(), and counts against the quota, so the epoch
+                # still ends at the same step on every rank and its upstream's at its length. One
+                # that left the upstream where it was (a file briefly unreadable) is tried again
+                # by the next call, and counts then.
+                if upstream._mark() != before:
+                    self._yielded += 1
                 raise
             self._yielded += 1
             return item

@@ -79,9 +79,9 @@ def path_patterns(paths: Any, kind: str) -> list[str]:
 
 
 OWN_FILES = (SIDECAR_SUFFIX, SIDECAR_SUFFIX + LOCK_SUFFIX)
-DATASET_SUMMARIES = ("_metadata", "_common_metadata")
-"""Files a Parquet dataset directory holds beside its parts (Spark, Dask and pyarrow write them):
-summaries of the other files' footers, no data of their own."""
+DATASET_SUMMARIES = ("_metadata", "_common_metadata", "_SUCCESS")
+"""Files a dataset directory holds beside its parts (Spark, Dask and pyarrow write them): Parquet
+summaries of the other files' footers and Spark's empty success marker, no data of their own."""
 
 
 def globbed(name: str) -> bool:
@@ -99,7 +99,7 @@ def expand_paths(paths: Paths, kind: str) -> list[str]:
     writes beside data files left out) and check each file exists.
 
     Explicit paths keep the order given; globs leave out a Parquet dataset's summary files
-    (``_metadata``, ``_common_metadata``). A glob that matches nothing, a missing file or a
+    and Spark's success marker (``DATASET_SUMMARIES``). A glob that matches nothing, a missing file or a
     directory raises SourceError naming it, and so does a match that is a symbolic link to a
     missing file (a shard on a volume that is not mounted: left out, the epoch would silently
     lack it). A path that names an existing file is that file, even where its name reads as a

@@ -115,6 +115,9 @@ class LineIndex:
         """
         path = os.fspath(path)
         info = _stat_data(path)
+        if info.st_size:  # a sidecar an earlier version wrote over a compressed file is no reason to read it
+            with _open_data(path) as data, reading(f"cannot read data file {path!r}"):
+                _refuse_compressed(path, data.read(max(map(len, COMPRESSED))))
         sidecars = (path + SIDECAR_SUFFIX, _sidecar.cache_path(path, cache_dir))
         for sidecar in sidecars:
             loaded = cls._load(path, sidecar, info.st_size, info.st_mtime_ns)

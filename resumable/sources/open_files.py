@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import mmap
 import os
 import threading
 import weakref
 from collections import OrderedDict
-from typing import Callable, Generic, NamedTuple, TypeVar
+from typing import Callable, Generic, Iterator, NamedTuple, TypeVar
 
 import pyarrow as pa
 
@@ -86,6 +85,7 @@ class OpenFiles(Generic[T]):
                 _let_go(0)
             handle = opener(file)
         with _LOCK:
+            _let_go(budget() - 1)  # threads that opened at once each let go before opening
             self._handles[file] = handle
             _OPEN[key] = weakref.ref(self)  # type: ignore[arg-type]
         return handle
@@ -103,8 +103,10 @@ class OpenFiles(Generic[T]):
             self._handles = [None] * len(self._handles)
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):  # at interpreter exit, the module's lock may be gone
+        try:
             self.close()
+        except Exception:  # noqa: BLE001, S110 - at interpreter exit the module's globals may be gone
+            pass
 
     def __getstate__(self) -> dict[str, object]:
         """Pickled without its handles (a DataLoader worker opens its own)."""
@@ -126,27 +128,15 @@ class MappedFile(NamedTuple):
 
     @classmethod
     def of(cls, path: str) -> MappedFile:
-        """``path`` mapped whole; OSError if it cannot be opened. A name pyarrow cannot pass on
-        (bytes that are not UTF-8, legal in a Linux file name) is mapped by Python's ``mmap``,
-        which holds a descriptor while the map lives."""
-        try:
-            source = pa.memory_map(path, "r")
-        except UnicodeEncodeError:
-            return cls._of_odd_name(path)
+        """``path`` mapped whole; OSError if it cannot be opened."""
+        with pyarrow_path(path) as name:
+            source = pa.memory_map(name, "r")
         try:
             opened = os.fstat(source.fileno())
             buffer = source.read_buffer()
         finally:
             source.close()
         return cls(buffer, path, opened)
-
-    @classmethod
-    def _of_odd_name(cls, path: str) -> MappedFile:
-        with open(path, "rb") as handle:
-            opened = os.fstat(handle.fileno())
-            if not opened.st_size:  # mmap refuses an empty file
-                return cls(pa.py_buffer(b""), path, opened)
-            return cls(pa.py_buffer(mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)), path, opened)
 
     def cut_to(self) -> int | None:
         """The file's size now if its path still names it at another size (changed in place),
@@ -159,6 +149,27 @@ class MappedFile(NamedTuple):
         if (now.st_dev, now.st_ino) != (self.opened.st_dev, self.opened.st_ino) or now.st_size == self.buffer.size:
             return None
         return now.st_size
+
+
+@contextlib.contextmanager
+def pyarrow_path(path: str) -> Iterator[str]:
+    """A name pyarrow opens ``path`` by: itself or, where it is not UTF-8 (bytes a Linux file name
+    may hold, which pyarrow cannot pass on), ``/dev/fd/N`` of the file opened here, while pyarrow
+    opens it (pyarrow's file or map then holds its own descriptor, or none)."""
+    try:
+        path.encode()
+    except UnicodeEncodeError:
+        pass
+    else:
+        yield path
+        return
+    if not os.path.isdir("/dev/fd"):
+        raise OSError(errno.EINVAL, "pyarrow cannot open a file whose name is not UTF-8 here", path)
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        yield f"/dev/fd/{descriptor}"
+    finally:
+        os.close(descriptor)
 
 
 def _let_go(keep: int) -> None:

@@ -32,7 +32,7 @@ from resumable.sources.blocks import (
     BlockReader,
 )
 from resumable.sources.files import Paths, WatchedFiles, reading, with_version
-from resumable.sources.open_files import OpenFiles
+from resumable.sources.open_files import OpenFiles, pyarrow_path
 from resumable.sources.remote import FRESH_SECONDS
 from resumable.sources.source import PathSource
 
@@ -354,12 +354,9 @@ def column_chunk_spans(
 
 
 def _open_local(path: str) -> pa.NativeFile:
-    """A local file open for pyarrow: a ``pa.OSFile``, or through a Python file object where the
-    name is not UTF-8 (legal in a Linux file name), which pyarrow cannot pass on."""
-    try:
-        return pa.OSFile(path, "r")
-    except UnicodeEncodeError:
-        return pa.PythonFile(open(path, "rb"), mode="r")  # noqa: SIM115 - closed with the NativeFile
+    """A local file open for pyarrow, whatever bytes its name holds (``pyarrow_path``)."""
+    with pyarrow_path(path) as name:
+        return pa.OSFile(name, "r")
 
 
 def footer_digest(path: str) -> str | None:

@@ -644,13 +644,6 @@ def stop_on(bad: int) -> Callable[[int], int]:
     return fn
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a serial map's fn raising StopIteration on the last record of a run (the first record of "
-    "an epoch or after a restore: runs start at one record; the last record of the epoch) is silently "
-    "dropped: _next_run takes operator.length_hint(self._pending) == 0 for a run that ended normally, so "
-    "no MapError comes (README: it arrives as rs.MapError at its record); pre-existing in core/indexed.py",
-)
 @pytest.mark.parametrize("where", ["first", "last", "after_restore"])
 def test_stop_iteration_of_a_map_on_the_edge_of_a_run_is_a_map_error(where: str) -> None:
     bad = {"first": 0, "last": 8, "after_restore": 5}[where]

@@ -23,6 +23,7 @@ from resumable.elastic import restore
 from resumable.pack import expand_references
 from tests.resume import plain
 from tests.sources import INDEXED_KINDS, STREAM_KINDS, indexed_source, replace_file, stream_source
+from tests.watching import wait_until
 
 RECORDS = [{"id": index, "input_ids": list(range(index % 5 + 1))} for index in range(17)]
 SEQ_LEN = 8
@@ -411,6 +412,10 @@ def changed_under(pipe: Node[Any], path: Any, original: bytes) -> list[Any]:
     (an item's id, or the type of the exception)."""
     outcomes: list[Any] = [next(pipe)["id"]]
     source = next(node for node in pipe._subtree() if isinstance(node, rs.nodes.JsonlSource))
+    for node in pipe._subtree():  # prefetch threads idle (buffers full): none reads the file while it is changed
+        producer = getattr(node, "_producer", None)
+        if producer is not None:
+            wait_until(lambda p=producer: p.queue.full() or not p.thread.is_alive(), "an idle prefetch thread")
     try:
         replace_file(path, original.replace(b'"id"', b'"ID"'))
         source._files._last_watch = float("-inf")

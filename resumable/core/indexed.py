@@ -61,6 +61,39 @@ def _raise(error: BaseException) -> NoReturn:
     raise error
 
 
+class _LastOfRun:
+    """The last record of a run (``IndexedNode._run_over``), through the decoder and the maps in
+    Python, where a StopIteration of a function is the ``MapError`` it stands for. If the run's
+    C-level part stopped short (a StopIteration before its last record), it ends without taking
+    a record, and the next run reports it (``IndexedNode._next_run``). It holds the node by a
+    weak reference, as the flow does (``_Flow``), so no cycle keeps a dropped pipeline alive."""
+
+    __slots__ = ("_node", "_records", "_done")
+
+    def __init__(self, node: IndexedNode[Any], records: Iterator[Any]) -> None:
+        self._node, self._records, self._done = weakref.ref(node), records, False
+
+    def __iter__(self) -> _LastOfRun:
+        return self
+
+    def __next__(self) -> Any:
+        node = self._node()
+        if node is None or self._done or operator.length_hint(self._records) != 1:
+            raise StopIteration
+        self._done = True
+        record = next(self._records)
+        if node._run_guarded:
+            record = node._decode_or_reject(record)
+            if record is _SKIPPED:
+                raise StopIteration
+        try:
+            for fn in node._fns:
+                record = fn(record)
+        except StopIteration as stop:
+            raise stop_error(f"{node.kind}: a function mapped over its records", node.last_key(), stop) from stop
+        return record
+
+
 def _next_run_of(node: weakref.ref[IndexedNode[Any]]) -> Iterator[Any]:
     live = node()
     return _END if live is None else live._next_run()
@@ -582,11 +615,17 @@ class IndexedNode(Node[T]):
 
     def _run_over(self, records: Iterator[Any]) -> Iterator[Any]:
         """A run over ``records`` of the current chunk: decoded one by one where the run needs
-        it, then through the chain's maps, all at C level."""
-        run = filter(_KEPT, map(self._decode_or_reject, records)) if self._run_guarded else records
-        for fn in self._fns:
+        it, then through the chain's maps, all at C level, but for its last record
+        (``_LastOfRun``): a function's StopIteration there would end the run as its end does,
+        and no record after it would show that it stopped short."""
+        fns = self._fns
+        if not fns:
+            return filter(_KEPT, map(self._decode_or_reject, records)) if self._run_guarded else records
+        head = itertools.islice(records, max(operator.length_hint(records) - 1, 0))
+        run: Iterator[Any] = filter(_KEPT, map(self._decode_or_reject, head)) if self._run_guarded else head
+        for fn in fns:
             run = map(fn, run)
-        return run
+        return itertools.chain(run, _LastOfRun(self, records))
 
     def _stopped_error(self) -> MapError:
         """The error for the record at which the last run stopped short: a mapped function (or

@@ -852,13 +852,6 @@ def test_values_python_cannot_hold_are_source_errors_naming_the_file_however_rea
                 access(read(path))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: one value Python cannot hold (a timestamp past 9999) makes the whole chunk a SourceError "
-    "(python_rows converts the chunk at once) and the cursor retries that chunk for ever: the good records "
-    "of the chunk and everything after are never handed out (shuffled: 1 of 11), and a loop that catches "
-    "the error never ends; a malformed JSONL line is an error at its record, and iteration goes on",
-)
 @pytest.mark.parametrize("kind", ["parquet", "arrow"])
 def test_a_value_python_cannot_hold_is_an_error_at_its_record_and_iteration_goes_on(tmp_path: Path, kind: str) -> None:
     table = pa.table({"id": list(range(12)), "when": pa.array([0] * 7 + [10**12] + [0] * 4, pa.timestamp("s"))})

@@ -34,7 +34,7 @@ from resumable.sources.blocks import (
 )
 from resumable.sources.files import NAME, Paths, WatchedFiles, reading, with_version
 from resumable.sources.open_files import MappedFile
-from resumable.sources.parquet import group_take, python_rows
+from resumable.sources.parquet import ColumnarRows, FailedRow, group_take, python_rows, raise_failed
 from resumable.sources.remote import FRESH_SECONDS
 from resumable.sources.source import FileSource, PathSource
 
@@ -125,7 +125,7 @@ def _mapped_files(data: Any, batch_starts: np.ndarray, watched: dict[str, int]) 
     return [sorted({f for row in range(a, b + 1) for f in files[row]}) for a, b in zip(first.tolist(), last.tolist())]
 
 
-class ArrowSource(PathSource[dict[str, Any]]):
+class ArrowSource(ColumnarRows, PathSource[dict[str, Any]]):
     """Rows (as dicts) of one or more Arrow IPC files, in file order then row order.
 
     Both IPC formats are read through memory maps; remote objects (which cannot be mapped) are
@@ -226,7 +226,8 @@ class ArrowSource(PathSource[dict[str, Any]]):
         index = int(np.searchsorted(self._batch_starts, start, side="right")) - 1
         row = start - int(self._batch_starts[index])
         batch = self._batch(index)
-        return python_rows(batch.slice(row, min(count, batch.num_rows - row)), self._batch_name(index))
+        rows = min(count, batch.num_rows - row)
+        return python_rows(batch.slice(row, rows), self._batch_name(index), range(row, row + rows))
 
     def _raw_at(self, indices: np.ndarray) -> Sequence[dict[str, Any]]:
         return group_take(indices, self._batch_starts, self._batch, self._batch_name)
@@ -242,7 +243,7 @@ class ArrowSource(PathSource[dict[str, Any]]):
         return state
 
 
-class HfSource(FileSource[dict[str, Any]]):
+class HfSource(ColumnarRows, FileSource[dict[str, Any]]):
     """Rows of a map-style Hugging Face ``datasets.Dataset``, read from its Arrow table.
 
     Record ``i`` equals ``dataset[i]`` with the dataset's format ignored (Python objects;
@@ -354,7 +355,8 @@ class HfSource(FileSource[dict[str, Any]]):
         row = start - int(self._batch_starts[index])
         self._check_files((index,))
         batch = self._batch(index)
-        return python_rows(batch.slice(row, min(count, batch.num_rows - row)), self._batch_name(index))
+        rows = min(count, batch.num_rows - row)
+        return python_rows(batch.slice(row, rows), self._batch_name(index), range(row, row + rows))
 
     def _raw_at(self, indices: np.ndarray) -> Sequence[dict[str, Any]]:
         rows = self._table_rows(indices)
@@ -365,10 +367,18 @@ class HfSource(FileSource[dict[str, Any]]):
         """Record batch ``index`` of the dataset's table as errors name it."""
         return f"{self.kind}: record batch {index} of the dataset's table"
 
+    @property  # a ClassVar elsewhere: here it follows the features
+    def _decodes_whole_chunks(self) -> bool:  # type: ignore[override]
+        """Rows whose features decode (images, audio) are decoded as they are handed out."""
+        return self._features_decode is None
+
     def _decoder(self) -> Callable[[Any], Any] | None:
-        return self._features_decode
+        decode = self._features_decode
+        return raise_failed if decode is None else functools.partial(_decoded_row, decode)
 
     def _decode_failed(self, raw: Any, index: int, error: Exception, may_skip: bool) -> None:
+        if type(raw) is FailedRow:
+            raise error
         raise SourceError(
             f"{self.kind}: cannot decode row {index} of dataset {self._fingerprint}: {type(error).__name__}: {error}"
         ) from error
@@ -379,6 +389,12 @@ class HfSource(FileSource[dict[str, Any]]):
         state["_rows"] = None
         state["_batch_files"] = []
         return state
+
+
+def _decoded_row(decode: Callable[[Any], Any], record: Any) -> Any:
+    """A row of a dataset whose features decode (images, audio): a ``FailedRow`` raised, any
+    other row decoded."""
+    return decode(raise_failed(record))
 
 
 def arrow(

@@ -15,7 +15,7 @@ import os
 import struct
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, BinaryIO, Callable, Mapping, Sequence
+from typing import Any, BinaryIO, Callable, ClassVar, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -51,23 +51,72 @@ PARQUET_MAGICS = (b"PAR1", b"PARE")
 """The magic numbers of plain and of encrypted-footer Parquet files."""
 
 
-def python_rows(rows: pa.Table | pa.RecordBatch, where: str) -> list[dict[str, Any]]:
-    """``rows`` as Python dicts; SourceError naming ``where`` (the file and its row group or
-    record batch) for a value Python cannot hold (a timestamp or date past the year 9999, a
-    duration past ``timedelta``'s range)."""
+class FailedRow(NamedTuple):
+    """A row Python cannot hold (a timestamp or date past the year 9999, a duration past
+    ``timedelta``'s range), in place of its record: ``ColumnarRows``' decoder raises its error
+    where the record is read."""
+
+    error: SourceError
+
+
+_failed_rows_made = False
+"""Whether this process made a ``FailedRow``: until then, runs of rows need no look."""
+
+
+def python_rows(rows: pa.Table | pa.RecordBatch, where: str, numbers: Sequence[int]) -> list[Any]:
+    """``rows`` as Python dicts; a row Python cannot hold is a ``FailedRow`` whose SourceError
+    names ``where`` (the file and its row group or record batch) and the row (``numbers``: each
+    row's number there)."""
     try:
-        converted: list[dict[str, Any]] = rows.to_pylist()
-    except (OverflowError, ValueError) as error:
-        raise SourceError(f"{where}: a value has no Python equivalent ({type(error).__name__}: {error})") from error
+        converted: list[Any] = rows.to_pylist()
+    except (OverflowError, ValueError):
+        return [_python_row(rows, index, where, number) for index, number in enumerate(numbers)]
     return converted
 
 
-def _taken(piece: pa.Table | pa.RecordBatch, offsets: np.ndarray, where: str) -> list[dict[str, Any]]:
+def _python_row(rows: pa.Table | pa.RecordBatch, index: int, where: str, number: int) -> Any:
+    global _failed_rows_made
+    try:
+        return rows.slice(index, 1).to_pylist()[0]
+    except (OverflowError, ValueError) as error:
+        failed = SourceError(
+            f"{where}, row {number}: a value has no Python equivalent ({type(error).__name__}: {error})"
+        )
+        failed.__cause__ = error
+        _failed_rows_made = True
+        return FailedRow(failed)
+
+
+def raise_failed(record: Any) -> Any:
+    """The columnar sources' decoder: a record as it is, a ``FailedRow``'s error raised."""
+    if type(record) is FailedRow:
+        raise record.error
+    return record
+
+
+class ColumnarRows:
+    """What the columnar sources (Parquet, Arrow, a Hugging Face dataset) decode: rows converted
+    by ``python_rows``, among which a ``FailedRow`` is raised at its record, so its error comes
+    there and iteration goes on past it, as a malformed JSON line's does. Runs pass in one call
+    until the process made a failed row; then each run is looked through."""
+
+    _decodes_whole_chunks: ClassVar[bool] = True
+
+    def _decoder(self) -> Callable[[Any], Any] | None:
+        return raise_failed
+
+    def _decode_run(self, raws: Sequence[Any]) -> list[Any]:
+        if _failed_rows_made:
+            return list(map(raise_failed, raws))
+        return raws if type(raws) is list else list(raws)
+
+
+def _taken(piece: pa.Table | pa.RecordBatch, offsets: np.ndarray, where: str) -> list[Any]:
     """The rows at ``offsets`` of ``piece`` as Python dicts (a table without columns, as
     ``columns=[]`` reads, takes no rows in Arrow: its rows are empty dicts)."""
     if not piece.num_columns:
         return [{} for _ in range(len(offsets))]
-    return python_rows(piece.take(offsets), where)
+    return python_rows(piece.take(offsets), where, offsets.tolist())
 
 
 def group_take(
@@ -100,7 +149,7 @@ def group_take(
     return out
 
 
-class ParquetSource(PathSource[dict[str, Any]]):
+class ParquetSource(ColumnarRows, PathSource[dict[str, Any]]):
     """Rows (as dicts) of one or more Parquet files, in file order then row order.
 
     ``columns`` selects columns (all by default). Missing files, globs that match nothing,
@@ -278,7 +327,8 @@ class ParquetSource(PathSource[dict[str, Any]]):
         group = int(np.searchsorted(self._group_starts, start, side="right")) - 1
         row = start - int(self._group_starts[group])
         table = self._row_group(group)
-        return python_rows(table.slice(row, min(count, table.num_rows - row)), self._group_name(group))
+        rows = min(count, table.num_rows - row)
+        return python_rows(table.slice(row, rows), self._group_name(group), range(row, row + rows))
 
     def _raw_at(self, indices: np.ndarray) -> Sequence[dict[str, Any]]:
         groups = np.unique(np.searchsorted(self._group_starts, indices, side="right") - 1).tolist()

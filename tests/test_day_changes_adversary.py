@@ -22,7 +22,6 @@ import json
 import multiprocessing
 import os
 import pickle
-import resource
 import subprocess
 import sys
 import textwrap
@@ -47,27 +46,13 @@ from resumable.sources import line_index, open_files
 from resumable.sources.open_files import OpenFiles
 from tests.processes import free_port
 from tests.resume import roundtrip, take
+from tests.watching import descriptor_limit, open_descriptors
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 # ---------------------------------------------------------------------------------------------
 # helpers
-
-
-def open_descriptors() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
-@contextlib.contextmanager
-def descriptor_limit(extra: int) -> Iterator[None]:
-    """The soft limit of open files lowered to what is open now plus ``extra``, restored after."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (open_descriptors() + extra, hard))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 @pytest.fixture

@@ -13,14 +13,14 @@ central property (take k, ``get_state``, JSON round trip, restore into a fresh p
 row; keys that name the global index across files; only typed errors, naming the file (and the
 line), and a refused state changes nothing.
 
-Bugs it found, mended (each test below its heading "found and mended"): a JSONL source held two file descriptors per file
-and a Parquet source one for as long as it lived, so a corpus of a few hundred (JSONL) or a
-thousand (Parquet) shards failed with ``Too many open files`` under the usual 1024 limit; an
-existing file whose name holds ``[`` was taken for a glob and refused; a glob silently left out
-a shard that is a dangling symlink; a ``.jsonl.gz`` given to ``rs.jsonl`` was indexed as if its
-compressed bytes were lines (with ``on_error="skip"`` the file silently contributed nothing); a
-state refused because the glob now finds more or fewer files named none of them; with nowhere to
-write indices, one SidecarWarning per file where the docs say one.
+Bugs it found, mended (each test below its heading "found and mended"): a JSONL source held two
+file descriptors per file and a Parquet source one for as long as it lived, so a corpus of a
+few hundred (JSONL) or a thousand (Parquet) shards failed with ``Too many open files`` under the
+usual 1024 limit; an existing file whose name holds ``[`` was taken for a glob and refused; a
+glob silently left out a shard that is a dangling symlink; a ``.jsonl.gz`` given to ``rs.jsonl``
+was indexed as if its compressed bytes were lines (with ``on_error="skip"`` the file silently
+contributed nothing); a state refused because the glob now finds more or fewer files named
+none of them; with nowhere to write indices, one SidecarWarning per file where the docs say one.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ import gzip
 import json
 import multiprocessing
 import os
-import resource
 import shutil
 import tempfile
 import time
@@ -49,6 +48,7 @@ import resumable as rs
 import resumable.torch as rst
 from resumable.sources._sidecar import SidecarWarning
 from tests.resume import check_resume, loader_batches, loader_head, loader_rest, roundtrip, take
+from tests.watching import descriptor_limit
 
 BOM = b"\xef\xbb\xbf"
 Build = Callable[[], rs.Node[Any]]
@@ -700,22 +700,6 @@ def test_columnar_lists_with_empty_files_duplicates_and_mixed_formats(tmp_path: 
 
 
 # -- found and mended ----------------------------------------------------------------------------
-
-
-def open_descriptors() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
-@contextlib.contextmanager
-def descriptor_limit(extra: int) -> Iterator[None]:
-    """Lower the soft limit of open files to what is open now plus ``extra`` (a process with its
-    usual 1024 and a few hundred shards is in the same place), restored after."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (open_descriptors() + extra, hard))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def test_jsonl_over_more_files_than_the_descriptor_limit_allows_pairs_of(tmp_path: Path) -> None:

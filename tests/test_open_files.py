@@ -4,13 +4,10 @@ cache blocks are mapped without descriptors, and a map cut short in place is sti
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import pickle
-import resource
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Callable
 
@@ -23,23 +20,9 @@ from resumable.ops.cache import Cache
 from resumable.sources import open_files
 from resumable.sources.open_files import MappedFile, OpenFiles
 from tests.resume import roundtrip, take
+from tests.watching import descriptor_limit, open_descriptors
 
 FILES = 40
-
-
-def open_descriptors() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
-@contextlib.contextmanager
-def descriptor_limit(extra: int) -> Iterator[None]:
-    """The soft limit of open files lowered to what is open now plus ``extra``, restored after."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (open_descriptors() + extra, hard))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def jsonl_files(root: Path) -> str:

@@ -3,12 +3,14 @@ and whether a dropped pipeline is freed at once."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
+import resource
 import signal
 import time
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -84,3 +86,20 @@ def error_of(action: Callable[[], Any]) -> BaseException | None:
         error = None
     gc.collect()
     return error
+
+
+def open_descriptors() -> int:
+    """How many file descriptors this process holds (Linux)."""
+    return len(os.listdir("/proc/self/fd"))
+
+
+@contextlib.contextmanager
+def descriptor_limit(extra: int) -> Iterator[None]:
+    """The soft limit of open files lowered to what is open now plus ``extra`` (a process with
+    its usual 1024 and a few hundred shards is in the same place), restored after."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(open_descriptors() + extra, hard), hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

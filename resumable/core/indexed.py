@@ -20,7 +20,7 @@ import numpy as np
 from resumable.core.keys import RecordKey, Stride, leaf_key
 from resumable.core.node import Node
 from resumable.core.options import flag_option
-from resumable.core.state import require_count
+from resumable.core.state import epoch_after, require_count, require_epoch
 from resumable.errors import ConfigError, MapError, SourceError, StateError, stop_error
 from resumable.order.partition import shard_size
 
@@ -692,7 +692,7 @@ class IndexedNode(Node[T]):
 
     def _begin_epoch(self, epoch: int | None) -> None:
         # Indexed upstreams are read by random access: only this cursor moves.
-        self._epoch = self._epoch + 1 if epoch is None else epoch
+        self._epoch = epoch_after(self.kind, self._epoch, epoch)
         node: IndexedNode[Any] | None = self
         while node is not None:  # a new epoch of the chain: its shuffles take this version's order
             node._renew_saved_options()
@@ -707,7 +707,7 @@ class IndexedNode(Node[T]):
         return {EPOCH: self._epoch, POSITION: position, LENGTH: self._length(self._epoch)}
 
     def _restore(self, state: dict[str, Any], path: str) -> None:
-        epoch = require_count(state, EPOCH, path)
+        epoch = require_epoch(state, EPOCH, path)
         self._enter_epoch(epoch)
         length = require_count(state, LENGTH, path)
         if length != self._length(epoch):

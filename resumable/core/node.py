@@ -11,6 +11,7 @@ only its own options and counters. Nodes with random access derive from
 from __future__ import annotations
 
 import os
+import sys
 from typing import (
     TYPE_CHECKING,
     Any,
@@ -31,6 +32,7 @@ from resumable.core.options import choice_option, flag_option, int_option
 from resumable.core.state import (
     ENDED,
     KIND,
+    MAX_EPOCH,
     STATE_VERSION,
     UPSTREAM,
     VERSION,
@@ -141,7 +143,7 @@ class Node(Generic[T]):
 
     def start_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` from its beginning (what a fresh DataLoader worker does)."""
-        self._begin_epoch(int_option(self.kind, "epoch", epoch, least=0))
+        self._begin_epoch(int_option(self.kind, "epoch", epoch, least=0, most=MAX_EPOCH))
 
     def _begin_epoch(self, epoch: int | None) -> None:
         """Reset this node and its upstream to the start of ``epoch`` (None: the next one)."""
@@ -159,8 +161,12 @@ class Node(Generic[T]):
     def __len__(self) -> int:
         """Items of the current epoch for this consumer (the whole epoch, not what remains):
         the steps per epoch of a learning-rate schedule. TypeError, naming the node that makes
-        it unknown, where it cannot be told without reading the data."""
-        return self._known_length()
+        it unknown, where it cannot be told without reading the data, or where it is past what
+        ``len()`` can return (``sys.maxsize``: a ``repeat(n)`` of a huge epoch)."""
+        length = self._known_length()
+        if length > sys.maxsize:
+            raise TypeError(f"{self.kind}: {length:,} items, past the {sys.maxsize:,} that len() can return")
+        return length
 
     def __bool__(self) -> bool:
         """A node is always true, whatever its length (``__len__`` may raise or be 0)."""

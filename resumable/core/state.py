@@ -42,11 +42,28 @@ def require(state: Mapping[str, Any], key: str, types: type | tuple[type, ...], 
 
 
 INT64_MAX = 2**63 - 1
+MAX_EPOCH = 2**62
+"""The last epoch a node begins and a state holds: orders are keyed by the epoch in 64 bits, a
+packer's references hold it in int64, and an elastic rescale counts to 2**62."""
 
 
 def is_count(value: Any, upper: int = INT64_MAX) -> TypeGuard[int]:
     """An int (not a bool) in ``[0, upper]``: a count, position or size as a state saves it."""
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= upper
+
+
+def epoch_after(kind: str, current: int, epoch: int | None) -> int:
+    """The epoch a node begins: ``epoch`` when given, else the one after ``current``;
+    StateError past ``MAX_EPOCH`` (an order keyed past 64 bits would repeat an earlier one)."""
+    following = current + 1 if epoch is None else epoch
+    if following > MAX_EPOCH:
+        raise StateError(f"{kind}: epoch {following:,} is past the last one a state can count ({MAX_EPOCH:,})")
+    return following
+
+
+def require_epoch(state: Mapping[str, Any], key: str, path: str) -> int:
+    """An epoch entry: an int in ``[0, MAX_EPOCH]``."""
+    return require_count(state, key, path, upper=MAX_EPOCH)
 
 
 def require_count(state: Mapping[str, Any], key: str, path: str, upper: int | None = None) -> int:

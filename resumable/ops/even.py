@@ -27,7 +27,7 @@ from typing import Any
 from resumable.core.indexed import IndexedNode
 from resumable.core.node import Node
 from resumable.core.options import int_option
-from resumable.core.state import INT64_MAX, is_count, require, require_count
+from resumable.core.state import INT64_MAX, epoch_after, is_count, require, require_count, require_epoch
 from resumable.errors import ConfigError, SourceError, StateError
 from resumable.ops.batch import Batch
 from resumable.ops.map import Map
@@ -321,7 +321,7 @@ class Even(Node[Any]):
             self.upstream._begin_epoch(epoch)
         elif self._quota is not None:  # an epoch left before its end keeps its rest for the next
             self._carry += self._quota - self._yielded
-        self.epoch = self.epoch + 1 if epoch is None else epoch
+        self.epoch = epoch_after(self.kind, self.epoch, epoch)
         self._yielded = 0
         self._quota = None
         self._rejoin = False
@@ -355,7 +355,7 @@ class Even(Node[Any]):
                 f"{STARTED}={started}, but only {owed} items owed ({CARRY}={carry}, {QUOTA}={quota}, "
                 f"{YIELDED}={yielded})"
             )
-        self.epoch = require_count(state, EPOCH, path)
+        self.epoch = require_epoch(state, EPOCH, path)
         self._quota, self._yielded = quota, yielded
         self._carry = carry
         self._counted, self._started = counted, started

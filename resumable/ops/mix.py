@@ -56,9 +56,11 @@ from resumable.core.options import finite_float, seed_option
 from resumable.core.state import (
     ENDED,
     check_config,
+    epoch_after,
     require,
     require_adjacent_epochs,
     require_count,
+    require_epoch,
     short_repr,
 )
 from resumable.errors import ConfigError, StateError
@@ -321,7 +323,7 @@ class Mix(Node[T]):
     def _begin_epoch(self, epoch: int | None) -> None:
         for component in self.components.values():
             component._begin_epoch(epoch)
-        self._epoch = self._epoch + 1 if epoch is None else epoch
+        self._epoch = epoch_after(self.kind, self._epoch, epoch)
         self._ended = False
         self._on_epoch_start()
 
@@ -408,7 +410,7 @@ class Mix(Node[T]):
         check_config(state, self._config(), path)
 
     def _restore(self, state: dict[str, Any], path: str) -> None:
-        self._epoch = require_count(state, EPOCH, path)
+        self._epoch = require_epoch(state, EPOCH, path)
         self._step = require_count(state, STEP, path)
         counts = self._per_name(state, COUNTS, int, path)
         if any(count < 0 for count in counts.values()) or sum(counts.values()) != self._step:

@@ -519,6 +519,11 @@ def rescale(
         raise StateError(
             f"remap of epoch {remap.epoch} over {remap.length} positions does not fit epoch {epoch} over {space_length}"
         )
+    if not (_is_count(epoch) and _is_count(space_length)):
+        raise StateError(
+            f"an elastic rescale takes epochs of at most {MAX_POSITION:,} positions, numbered up to {MAX_POSITION:,} "
+            f"(this one: epoch {epoch:,} over {space_length:,}); resume it on the same ranks and workers"
+        )
     cursor_array = np.asarray(cursors, dtype=np.int64)
     sizes = shard_sizes(space_length, len(cursor_array))
     bad = np.flatnonzero((cursor_array < 0) | (cursor_array > sizes))

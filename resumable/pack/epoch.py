@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from resumable.core.indexed import EPOCH, LENGTH, IndexedNode
-from resumable.core.state import UPSTREAM, check_header, is_count, require, require_count, short_repr
+from resumable.core.state import UPSTREAM, check_header, is_count, require, require_count, require_epoch, short_repr
 from resumable.elastic import _shard_and_orders
 from resumable.errors import StateError
 from resumable.order.elastic import MAX_POSITION, Remap
@@ -207,7 +207,7 @@ class Stride(NamedTuple):
     ) -> Stride:
         """The stride of old consumer ``consumer`` of ``num_consumers``, whose packer's upstream
         ``cursor`` saved ``state``; StateError if the state's cursor disagrees with it."""
-        epoch = require_count(state, EPOCH, path)
+        epoch = require_epoch(state, EPOCH, path)
         length = require_count(state, LENGTH, path)
         shard, reading_orders = _shard_and_orders(cursor)
         node, where = cursor, path

@@ -34,6 +34,10 @@ class FromList(Source[T]):
                 f"{self.kind}: from_list needs a sequence (len() and indexing), got {type(records).__name__}; "
                 "pass list(records) to read an iterator or generator into memory"
             )
+        try:
+            len(records)
+        except OverflowError as error:  # range(2**63): Python's len() stops at sys.maxsize
+            raise ConfigError(f"{self.kind}: the sequence's length is past what len() can return ({error})") from error
         self._records = records
 
     def __len__(self) -> int:

@@ -33,9 +33,10 @@ from resumable.core.options import int_option, seed_option
 from resumable.core.state import (
     ENDED,
     check_config,
+    epoch_after,
     require,
     require_adjacent_epochs,
-    require_count,
+    require_epoch,
     short_repr,
 )
 from resumable.errors import ConfigError, SourceError, StateError
@@ -375,7 +376,7 @@ class JsonlStream(PermutationRounds, WatchedIdentity, Node[Any], InheritedByFork
     def _begin_epoch(self, epoch: int | None) -> None:
         self._files.check_all()
         following = self._epoch + 1
-        self._epoch = following if epoch is None else epoch
+        self._epoch = epoch_after(self.kind, self._epoch, epoch)
         self._close_handle()
         self._queue = self._next_queue if self._epoch == following else None
         self._next_queue = None
@@ -404,7 +405,7 @@ class JsonlStream(PermutationRounds, WatchedIdentity, Node[Any], InheritedByFork
         return progress
 
     def _restore(self, state: dict[str, Any], path: str) -> None:
-        epoch = require_count(state, EPOCH, path)
+        epoch = require_epoch(state, EPOCH, path)
         queue = self._work_items(require(state, QUEUE, list, path), path)
         next_queue = self._work_items(require(state, NEXT_QUEUE, list, path), path) if NEXT_QUEUE in state else None
         self._close_handle()

@@ -242,21 +242,32 @@ def _loader_lines(loader: LoaderState, replayed: bool) -> list[str]:
     return lines
 
 
+PROGRESS_COLUMNS = ("epoch", "position", "length", "progress")
+PROGRESS_WIDTHS = (7, 12, 12, 10)
+"""The least widths of the progress table's number columns; a wider number widens its column."""
+
+
 def _progress_table(found: list[Found]) -> list[str]:
-    header = f"{'consumer':<28}{'epoch':>7}{'position':>12}{'length':>12}{'progress':>10}  ended"
-    rows = [header, "-" * len(header)]
+    cells: list[tuple[str, tuple[str, ...], str]] = []
     for item in found:
         cursor = next((node for node in chain(item.state) if "position" in node), None)
         ended = "yes" if item.state.get(ENDED) else "no"
         if cursor is None:
-            rows.append(f"{_consumer_label(item):<28}{'-':>7}{'-':>12}{'-':>12}{'-':>10}  {ended}")
+            cells.append((_consumer_label(item), ("-",) * len(PROGRESS_COLUMNS), ended))
             continue
         length = cursor.get("length", 0)
         progress = f"{100 * cursor['position'] / length:.1f}%" if length else "-"
-        rows.append(
-            f"{_consumer_label(item):<28}{cursor['epoch']:>7}{cursor['position']:>12,}{length:>12,}"
-            f"{progress:>10}  {ended}"
+        cells.append(
+            (_consumer_label(item), (f"{cursor['epoch']}", f"{cursor['position']:,}", f"{length:,}", progress), ended)
         )
+    widths = [
+        max([least, *(len(numbers[column]) + 2 for _, numbers, _ in cells)])
+        for column, least in enumerate(PROGRESS_WIDTHS)
+    ]
+    header = f"{'consumer':<28}" + "".join(f"{name:>{width}}" for name, width in zip(PROGRESS_COLUMNS, widths))
+    rows = [header + "  ended", "-" * (len(header) + 7)]
+    for label, numbers, ended in cells:
+        rows.append(f"{label:<28}" + "".join(f"{cell:>{width}}" for cell, width in zip(numbers, widths)) + f"  {ended}")
     return rows
 
 

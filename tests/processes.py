@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import time
 from typing import Any, Callable, Iterator
@@ -53,3 +54,18 @@ def train(loader: Any, epochs: int, stop_after: int | None = None, resumed: bool
             if len(seen) == stop_after:
                 return seen
     return seen
+
+
+@contextlib.contextmanager
+def as_rank(rank: int, world_size: int) -> Iterator[None]:
+    """Within the block this process is rank ``rank`` of ``world_size`` (no process group)."""
+    saved = {key: os.environ.get(key) for key in ("RANK", "WORLD_SIZE")}
+    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

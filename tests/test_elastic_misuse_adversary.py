@@ -12,13 +12,11 @@ pipelines)."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
-import os
 import re
 from collections import Counter
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 from unittest import mock
 
 import numpy as np
@@ -31,6 +29,7 @@ import resumable as rs
 from resumable.elastic import rescaled_state, rescaled_states, restore
 from resumable.ops import even as even_module
 from resumable.torch import Loader
+from tests.processes import as_rank
 
 DOCUMENTS = 61
 
@@ -52,21 +51,6 @@ def build() -> rs.Node:
 
 def build_seed_4() -> rs.Node:
     return build_loader_pipeline(seed=4)
-
-
-@contextlib.contextmanager
-def as_rank(rank: int, world_size: int) -> Iterator[None]:
-    """Within the block this process is rank ``rank`` of ``world_size`` (no process group)."""
-    saved = {key: os.environ.get(key) for key in ("RANK", "WORLD_SIZE")}
-    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def items(batches: Sequence[Any]) -> list[int]:

@@ -38,7 +38,7 @@ import resumable as rs
 import resumable.torch as rst
 from resumable.cli import main as cli_main
 from resumable.order.topology import Topology
-from tests.processes import free_port, process_group
+from tests.processes import as_rank, free_port, process_group
 from tests.topology import simulated_consumer
 
 SEQ_LEN = 8
@@ -105,21 +105,6 @@ def flat(batches: Sequence[Any]) -> list[int]:
 
 def as_json(state: Any) -> Any:
     return json.loads(json.dumps(state))
-
-
-@contextlib.contextmanager
-def as_rank(rank: int, world_size: int) -> Iterator[None]:
-    """Within the block this process is rank ``rank`` of ``world_size`` (no process group)."""
-    saved = {key: os.environ.get(key) for key in ("RANK", "WORLD_SIZE")}
-    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def batches_of(build: Callable[[], rs.Node], rank: int, world_size: int, workers: int) -> int:

@@ -15,13 +15,11 @@ this process (pipelines with explicit ``.shard(c, C)``, and Loaders as ranks thr
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
-import os
 import re
 import sys
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 import pytest
@@ -31,6 +29,7 @@ from hypothesis import strategies as st
 import resumable as rs
 from resumable.elastic import rescaled_state, rescaled_states, restore
 from resumable.order.lcg import Permutation
+from tests.processes import as_rank
 from tests.resume import plain, roundtrip, take
 
 Build = Callable[[], rs.Node[Any]]
@@ -115,20 +114,6 @@ def check_exact_resume(build: Build, pipe: rs.Node[Any], k: int, m: int) -> list
 
 def state_size(pipe: rs.Node[Any]) -> int:
     return len(json.dumps(pipe.get_state()))
-
-
-@contextlib.contextmanager
-def as_rank(rank: int, world_size: int) -> Iterator[None]:
-    saved = {key: os.environ.get(key) for key in ("RANK", "WORLD_SIZE")}
-    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 # --- lazy sources of huge length --------------------------------------------------------------

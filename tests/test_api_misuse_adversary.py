@@ -372,8 +372,14 @@ def test_next_epoch_twice_skips_to_the_epoch_after_and_start_epoch_checks_its_ar
 
 
 def test_a_huge_start_epoch_gives_a_state_that_saves_and_restores(tmp_path: Any) -> None:
+    """Up to the last epoch a state counts (2**62, docs/state.md); past it, a ConfigError that
+    leaves the pipeline as it was (an order keyed past 64 bits would repeat an earlier one)."""
     pipe = numbers(6).shuffle(0).batch(2)
-    pipe.start_epoch(2**70)
+    before = pipe.get_state()
+    with pytest.raises(rs.ConfigError, match="Batch: epoch must be at most 4,611,686,018,427,387,904"):
+        pipe.start_epoch(2**70)
+    assert pipe.get_state() == before
+    pipe.start_epoch(2**62)
     next(pipe)
     state = pipe.get_state()
     rest = list(pipe)

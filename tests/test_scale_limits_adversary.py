@@ -250,8 +250,8 @@ def test_int64_largest_world_size_gives_each_record_to_its_own_rank() -> None:
             rs.from_list(range(n)).shard(0, bad)
 
 
-def test_seven_records_over_a_hundred_thousand_consumers_each_once_most_empty() -> None:
-    world_size = 10**5
+def test_seven_records_over_twenty_thousand_consumers_each_once_most_empty() -> None:
+    world_size = 2 * 10**4
     seen: list[int] = []
     nonempty = 0
     for rank in range(world_size):
@@ -271,7 +271,7 @@ def test_seven_records_over_a_hundred_thousand_consumers_each_once_most_empty() 
     assert later == [Permutation(7, 1, 10**6)(k) for k in range(7)]
 
 
-@pytest.mark.parametrize(("how", "n", "world_size"), [("shuffle", 10**5, 10**4), ("block", 2 * 10**4, 2 * 10**3)])
+@pytest.mark.parametrize(("how", "n", "world_size"), [("shuffle", 3 * 10**4, 3 * 10**3), ("block", 10**4, 10**3)])
 def test_ten_records_each_over_thousands_of_consumers_partition_exactly(how: str, n: int, world_size: int) -> None:
 
     def build(rank: int) -> rs.Node[Any]:
@@ -575,7 +575,7 @@ def old_job(
     return states, consumed
 
 
-@pytest.mark.parametrize("new_world", [1, 3, 7, 2003])
+@pytest.mark.parametrize("new_world", [1, 3, 7, 503])
 def test_two_thousand_consumers_of_a_tiny_source_rescale_each_record_once(new_world: int) -> None:
     n, old_world = 5000, 2000
 

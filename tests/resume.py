@@ -160,3 +160,25 @@ def check_closed_resume(build: Build, ks: tuple[int, ...], total: int, plain: Ca
         resumed = restored(build, state)
         assert head + [plain(item) for item in take(resumed, total - k)] == expected, k
         resumed.close()
+
+
+def loops(pipe: Node[Any], count: int) -> list[list[Any]]:
+    """The next ``count`` items as a training loop sees them: one list per ``for`` loop over
+    the pipeline (an epoch, or the rest of one), so where epochs end is compared too; fewer
+    items if the pipeline is empty (``EMPTY_EPOCHS`` empty loops in a row)."""
+    found: list[list[Any]] = []
+    items = empty = 0
+    while items < count and empty < EMPTY_EPOCHS:
+        loop = []
+        for item in pipe:
+            loop.append(plain(item))
+            items += 1
+            if items == count:
+                break
+        found.append(loop)
+        empty = 0 if loop else empty + 1
+    return found
+
+
+def flat(found: list[list[Any]]) -> list[Any]:
+    return [item for loop in found for item in loop]

@@ -37,7 +37,7 @@ from hypothesis import strategies as st
 
 import resumable as rs
 from resumable import Node
-from tests.resume import EMPTY_EPOCHS, plain, roundtrip
+from tests.resume import flat, loops, plain, roundtrip
 
 Build = Callable[[], Node[Any]]
 Step = tuple[Any, ...]
@@ -231,27 +231,6 @@ def try_build(build: Build) -> Node[Any] | rs.ResumableError:
 
 
 # -- the resume property ------------------------------------------------------------------------
-
-
-def loops(pipe: Node[Any], count: int) -> list[list[Any]]:
-    """The next ``count`` items, one list per ``for`` loop (an epoch or the rest of one), so a
-    restored chain must also end its epochs where the original did."""
-    found: list[list[Any]] = []
-    items = empty = 0
-    while items < count and empty < EMPTY_EPOCHS:
-        loop = []
-        for item in pipe:
-            loop.append(plain(item))
-            items += 1
-            if items == count:
-                break
-        found.append(loop)
-        empty = 0 if loop else empty + 1
-    return found
-
-
-def flat(found: list[list[Any]]) -> list[Any]:
-    return [item for loop in found for item in loop]
 
 
 def check_resume(build: Build, expected: list[Any], k: int, k2: int) -> None:

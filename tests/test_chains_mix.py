@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 import resumable as rs
 from resumable import Node
-from tests.resume import EMPTY_EPOCHS, plain, roundtrip
+from tests.resume import flat, loops, plain, roundtrip
 from tests.sources import INDEXED_KINDS, indexed_source
 
 Build = Callable[[], Node[Any]]
@@ -178,28 +178,6 @@ def builder(components: list[dict[str, Any]], options: dict[str, Any], steps: li
         return pipe
 
     return build
-
-
-def loops(pipe: Node[Any], count: int) -> list[list[Any]]:
-    """The next ``count`` items as a training loop sees them: one list per ``for`` loop over
-    the pipeline (an epoch, or the rest of one), so where epochs end is compared too; fewer
-    items if the pipeline is empty (``EMPTY_EPOCHS`` empty loops in a row)."""
-    found: list[list[Any]] = []
-    items = empty = 0
-    while items < count and empty < EMPTY_EPOCHS:
-        loop = []
-        for item in pipe:
-            loop.append(plain(item))
-            items += 1
-            if items == count:
-                break
-        found.append(loop)
-        empty = 0 if loop else empty + 1
-    return found
-
-
-def flat(found: list[list[Any]]) -> list[Any]:
-    return [item for loop in found for item in loop]
 
 
 def check_resume_everywhere(build: Build, expected: list[Any], k: int, k2: int, drain: bool = False) -> None:

@@ -318,7 +318,7 @@ def test_out_of_descriptors_lets_go_and_retries_for_real(
     monkeypatch.setattr(open_files, "budget", lambda: 10_000)
     with descriptor_limit(10):
         assert sorted(ids(list(source.shuffle(seed=3)))) == list(range(files))
-        assert open_files.open_count() < 10
+        assert open_files.open_count() <= 10  # never more handles than descriptors free
 
 
 # ---------------------------------------------------------------------------------------------

@@ -90,15 +90,35 @@ def error_of(action: Callable[[], Any]) -> BaseException | None:
 
 def open_descriptors() -> int:
     """How many file descriptors this process holds (Linux)."""
-    return len(os.listdir("/proc/self/fd"))
+    return len(_descriptors_in_use())
+
+
+def _descriptors_in_use() -> set[int]:
+    """The numbers of this process's open descriptors (Linux), without the one that listed them."""
+    listed = {int(name) for name in os.listdir("/proc/self/fd")}
+    in_use: set[int] = set()
+    for descriptor in listed:
+        try:
+            os.fstat(descriptor)
+        except OSError:  # the listing's own, closed by now
+            continue
+        in_use.add(descriptor)
+    return in_use
 
 
 @contextlib.contextmanager
 def descriptor_limit(extra: int) -> Iterator[None]:
-    """The soft limit of open files lowered to what is open now plus ``extra`` (a process with
-    its usual 1024 and a few hundred shards is in the same place), restored after."""
+    """The soft limit of open files lowered so that exactly ``extra`` descriptor numbers are free
+    below it (a process with its usual 1024 and a few hundred shards is in the same place),
+    restored after. The limit bounds numbers, not counts: numbers in use above it and gaps below
+    it are both taken into account."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (min(open_descriptors() + extra, hard), hard))
+    in_use = _descriptors_in_use()
+    limit, free = 0, 0
+    while free < extra:
+        free += limit not in in_use
+        limit += 1
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(limit, hard), hard))
     try:
         yield
     finally:

@@ -555,12 +555,8 @@ def test_load_all_ranks_and_inspect_beside_other_entries_and_damaged_files(
         checkpoint = str(tmp_path / name)
         dcp.save({"data": rst.PerRank(pipe), "extra": extra}, checkpoint_id=checkpoint)
         assert rst.load_all_ranks(checkpoint) == [expected]  # the other entries are not read
-        code = cli_main(["inspect", checkpoint])
-        printed = capsys.readouterr()
-        if code == 0:
-            assert "Shuffle" in printed.out
-        else:  # refused safely (not weights-only data), naming the checkpoint
-            assert code != 0 and checkpoint in printed.err and "Traceback" not in printed.err
+        assert cli_main(["inspect", checkpoint]) == 0  # the other entries read as stand-ins, not run
+        assert "Shuffle" in capsys.readouterr().out
     checkpoint = tmp_path / "plain"
     data_files = sorted(checkpoint.glob("*.distcp"))
     assert data_files

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import argparse
+import datetime
 import functools
 import json
+import os
+import pickle
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import torch.distributed.checkpoint as dcp
 
 import resumable as rs
@@ -71,6 +76,62 @@ def test_directory_of_rank_files_torch_checkpoint_and_dcp(tmp_path: Path) -> Non
 
     dcp.save({"data": rst.PerRank(pipe)}, checkpoint_id=str(tmp_path / "dcp"))
     assert "pipeline: Batch > Filter" in describe(str(tmp_path / "dcp"))
+
+
+class Config:
+    """A training script's own object saved in its checkpoint, which weights_only refuses."""
+
+    def __init__(self) -> None:
+        self.lr = 0.1
+
+
+class RunsCode:
+    """An object whose unpickling would run code (a crafted checkpoint): Python's ``exec``, or
+    ``os.system``, whose module torch refuses outright."""
+
+    def __init__(self, marker: Path, through_os: bool = False) -> None:
+        self.marker = marker
+        self.through_os = through_os
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        if self.through_os:
+            return os.system, (f"touch {self.marker}",)
+        return exec, (f"open({str(self.marker)!r}, 'w').close()",)
+
+
+def test_checkpoints_holding_objects_that_are_not_plain_data_are_inspected_without_running_them(
+    tmp_path: Path,
+) -> None:
+    pipe = build(tmp_path)
+    take(pipe, 2)
+    marker = tmp_path / "ran"
+    others = {
+        "args": argparse.Namespace(lr=0.1),
+        "config": Config(),
+        "when": datetime.datetime(2020, 1, 1),
+        "crafted": RunsCode(marker),
+        "weights": torch.ones(3),
+    }
+    rst.save({"data": pipe.get_state(), **others}, tmp_path / "ckpt.pt")
+    assert "Shuffle: seed=2" in describe(str(tmp_path / "ckpt.pt"))
+    dcp.save({"data": rst.PerRank(pipe), "others": others}, checkpoint_id=str(tmp_path / "dcp"))
+    assert "Shuffle: seed=2" in describe(str(tmp_path / "dcp"))
+    assert rst.load_all_ranks(tmp_path / "dcp") == [json.loads(json.dumps(pipe.get_state()))]
+    assert not marker.exists()
+    with pytest.raises(pickle.UnpicklingError):  # rst.load stays plain torch.load(weights_only=True)
+        rst.load(tmp_path / "ckpt.pt")
+    rst.save({"data": pipe.get_state(), "crafted": RunsCode(marker, through_os=True)}, tmp_path / "os.pt")
+    with pytest.raises(rs.StateError, match="os.pt: a torch checkpoint .* GLOBAL posix.system"):
+        describe(str(tmp_path / "os.pt"))
+    assert not marker.exists()
+
+
+def test_a_per_rank_entry_that_is_not_plain_data_is_a_state_error_naming_it(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    dcp.save({"data": {"rank_0": RunsCode(marker)}}, checkpoint_id=str(tmp_path / "dcp"))
+    with pytest.raises(rs.StateError, match="data.rank_0.*not plain data"):
+        rst.load_all_ranks(tmp_path / "dcp")
+    assert not marker.exists()
 
 
 def test_not_a_state(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

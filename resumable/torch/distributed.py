@@ -108,40 +108,103 @@ def load_checkpoint(target: dict[str, Any], checkpoint_id: str | os.PathLike[str
 
 def given_planner() -> Any:
     """A load planner that fills the state dict it is given (torch's default), reading byte
-    entries safely (``weights_only_bytes``)."""
+    entries safely (``weights_only_bytes``; one that is not plain data is refused)."""
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     class WeightsOnlyPlanner(DefaultLoadPlanner):
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-            super().load_bytes(read_item, weights_only_bytes(value))
+            super().load_bytes(read_item, weights_only_bytes(value, read_item.dest_index.fqn, stand_in=False))
 
     return WeightsOnlyPlanner()
 
 
 def rebuilding_planner() -> Any:
     """A load planner that builds the state dict from the checkpoint's metadata (as torch's
-    ``dcp_to_torch_save`` does), reading byte entries safely (``weights_only_bytes``)."""
+    ``dcp_to_torch_save`` does), reading byte entries safely (``weights_only_bytes``; objects
+    that are not plain data are read as ``NotRead`` stand-ins)."""
     from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner  # type: ignore[attr-defined]
 
     class WeightsOnlyRebuildingPlanner(_EmptyStateDictLoadPlanner):
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-            super().load_bytes(read_item, weights_only_bytes(value))
+            super().load_bytes(read_item, weights_only_bytes(value, read_item.dest_index.fqn, stand_in=True))
 
     return WeightsOnlyRebuildingPlanner()  # type: ignore[no-untyped-call]
 
 
-def weights_only_bytes(value: io.BytesIO) -> io.BytesIO:
+def weights_only_bytes(value: io.BytesIO, entry: str, stand_in: bool) -> io.BytesIO:
     """A checkpoint's byte entry (a ``PerRank`` state, any object saved beside tensors), read by
-    ``torch.load(weights_only=True)`` and saved again for torch's planner: torch's own planners
-    read it with ``weights_only=False``, so a crafted entry would run its code. An entry that
-    is not plain data is refused here (``pickle.UnpicklingError``)."""
+    ``load_plain`` and saved again for torch's planner: torch's own planners read it with
+    ``weights_only=False``, so a crafted entry would run its code. StateError naming ``entry``
+    if it is not plain data and ``stand_in`` is false."""
     import torch
 
-    plain = torch.load(value, weights_only=True)
+    try:
+        plain = load_plain(value, stand_in=stand_in)
+    except pickle.UnpicklingError as error:
+        first_line = (str(error).strip().splitlines() or [""])[0]
+        raise StateError(f"entry {entry!r} is not plain data ({first_line:.200})") from error
     again = io.BytesIO()
     torch.save(plain, again)
     again.seek(0)
     return again
+
+
+def load_plain(file: str | io.BytesIO, stand_in: bool, map_location: str | None = None) -> Any:
+    """``torch.load(file, weights_only=True)``: tensors, containers and plain values, no code of
+    the file's run. With ``stand_in``, an object of any other class (a config object, an
+    ``argparse.Namespace``, a datetime) is read as a ``NotRead`` stand-in instead of refusing
+    the whole file (torch 2.5 and later); its class is never looked up, so nothing of it runs."""
+    import torch
+    from torch import serialization
+
+    names = []
+    if stand_in and hasattr(serialization, "get_unsafe_globals_in_checkpoint"):
+        names = serialization.get_unsafe_globals_in_checkpoint(file)
+        if isinstance(file, io.BytesIO):
+            file.seek(0)
+    if not names:
+        return torch.load(file, weights_only=True, map_location=map_location)
+    with serialization.safe_globals([(not_read_class(name), name) for name in names]):
+        return torch.load(file, weights_only=True, map_location=map_location)
+
+
+class NotRead:
+    """What an object a checkpoint holds is read as when its class is no plain data's: its
+    class's name, and the arguments and state it was saved with (plain data or stand-ins)."""
+
+    saved_as = "?"
+    arguments: tuple[tuple[Any, ...], dict[str, Any]]
+    state: Any
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> NotRead:
+        stand_in = super().__new__(cls)
+        stand_in.arguments = (args, kwargs)
+        stand_in.state = None
+        return stand_in
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """Takes whatever the object was saved with (see ``__new__``)."""
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Saved again as itself (a DCP entry goes through ``torch.save`` once more)."""
+        return _not_read_again, (self.saved_as, self.arguments, self.state)
+
+    def __repr__(self) -> str:
+        return f"<{self.saved_as}: not read>"
+
+
+def not_read_class(name: str) -> type[NotRead]:
+    """A ``NotRead`` class standing in for the global ``name`` (``module.Name``)."""
+    return type(name.rpartition(".")[2] or name, (NotRead,), {"saved_as": name, "__module__": __name__})
+
+
+def _not_read_again(name: str, arguments: tuple[tuple[Any, ...], dict[str, Any]], state: Any) -> NotRead:
+    stand_in = not_read_class(name)(*arguments[0], **arguments[1])
+    stand_in.state = state
+    return stand_in
 
 
 def read_metadata(checkpoint_id: str | os.PathLike[str]) -> Any:

@@ -21,6 +21,7 @@ import pickle
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
+from resumable._stand_ins import NotRead
 from resumable.core.indexed import EPOCH, LENGTH, POSITION
 from resumable.core.keys import loaded_prefix
 from resumable.core.node import Node
@@ -153,8 +154,10 @@ def find_states(source: str, obj: Any, build: PipelineFactory | None = None) -> 
             yield from _loader_states(source, parse_loader_state(obj, f"{source}: Loader"), build)
         elif isinstance(obj, dict):
             pending.extend(reversed(obj.values()))
-        elif isinstance(obj, list):
+        elif isinstance(obj, (list, tuple)):
             pending.extend(reversed(obj))
+        elif isinstance(obj, NotRead):  # a training script's own object, which may hold the state
+            pending.extend([obj.state, obj.arguments])
 
 
 def _loader_states(source: str, loader: LoaderState, build: PipelineFactory | None) -> Iterator[Found]:

@@ -85,6 +85,13 @@ class Config:
         self.lr = 0.1
 
 
+class Holder:
+    """A training script's object that holds the data state among its attributes."""
+
+    def __init__(self, data: dict[str, object]) -> None:
+        self.data = data
+
+
 class RunsCode:
     """An object whose unpickling would run code (a crafted checkpoint): Python's ``exec``, or
     ``os.system``, whose module torch refuses outright."""
@@ -114,6 +121,8 @@ def test_checkpoints_holding_objects_that_are_not_plain_data_are_inspected_witho
     }
     rst.save({"data": pipe.get_state(), **others}, tmp_path / "ckpt.pt")
     assert "Shuffle: seed=2" in describe(str(tmp_path / "ckpt.pt"))
+    rst.save({"trainer": Holder(pipe.get_state()), "pair": (1, pipe.get_state())}, tmp_path / "held.pt")
+    assert describe(str(tmp_path / "held.pt")).startswith(f"{tmp_path / 'held.pt'}: 2 pipeline states")
     dcp.save({"data": rst.PerRank(pipe), "others": others}, checkpoint_id=str(tmp_path / "dcp"))
     assert "Shuffle: seed=2" in describe(str(tmp_path / "dcp"))
     assert rst.load_all_ranks(tmp_path / "dcp") == [json.loads(json.dumps(pipe.get_state()))]

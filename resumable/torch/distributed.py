@@ -14,6 +14,7 @@ import os
 import pickle
 from typing import Any, Protocol
 
+from resumable._stand_ins import not_read_class
 from resumable.errors import StateError
 from resumable.order.topology import distributed_rank
 
@@ -166,45 +167,6 @@ def load_plain(file: str | io.BytesIO, stand_in: bool, map_location: str | None 
         return torch.load(file, weights_only=True, map_location=map_location)
     with serialization.safe_globals([(not_read_class(name), name) for name in names]):
         return torch.load(file, weights_only=True, map_location=map_location)
-
-
-class NotRead:
-    """What an object a checkpoint holds is read as when its class is no plain data's: its
-    class's name, and the arguments and state it was saved with (plain data or stand-ins)."""
-
-    saved_as = "?"
-    arguments: tuple[tuple[Any, ...], dict[str, Any]]
-    state: Any
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> NotRead:
-        stand_in = super().__new__(cls)
-        stand_in.arguments = (args, kwargs)
-        stand_in.state = None
-        return stand_in
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        """Takes whatever the object was saved with (see ``__new__``)."""
-
-    def __setstate__(self, state: Any) -> None:
-        self.state = state
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        """Saved again as itself (a DCP entry goes through ``torch.save`` once more)."""
-        return _not_read_again, (self.saved_as, self.arguments, self.state)
-
-    def __repr__(self) -> str:
-        return f"<{self.saved_as}: not read>"
-
-
-def not_read_class(name: str) -> type[NotRead]:
-    """A ``NotRead`` class standing in for the global ``name`` (``module.Name``)."""
-    return type(name.rpartition(".")[2] or name, (NotRead,), {"saved_as": name, "__module__": __name__})
-
-
-def _not_read_again(name: str, arguments: tuple[tuple[Any, ...], dict[str, Any]], state: Any) -> NotRead:
-    stand_in = not_read_class(name)(*arguments[0], **arguments[1])
-    stand_in.state = state
-    return stand_in
 
 
 def read_metadata(checkpoint_id: str | os.PathLike[str]) -> Any:

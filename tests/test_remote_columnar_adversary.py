@@ -13,12 +13,11 @@ chunks are read (the fault proxy of ``tests/s3proxy.py``), the disk tier of bloc
 replaced, cut short or removed between a save and a restore or during a pass: a typed error
 naming the object, never rows of another object.
 
-Bugs it found (marked xfail): an object replaced by one of the same size and layout while a
-pipeline reads it (mid-epoch, before the next epoch, or before ``set_state`` on the live
-pipeline) hands out the replacement's rows, since ranged reads fetch whatever the object is now
-and nothing checks it for 30 s, not even the disk tier's confirming HEAD that sees the new ETag;
-and read-ahead picks column chunks by the first dotted part of their path, so a selected column
-whose name holds a dot is never fetched ahead and its undotted twin drags its chunks along.
+Bugs it found, mended: an object replaced by one of the same size and layout while a pipeline
+reads it (mid-epoch, before the next epoch, or before ``set_state`` on the live pipeline) handed
+out the replacement's rows (every ranged read is now confirmed by a HEAD); read-ahead picked
+column chunks by the first dotted part of their path, so a selected column whose name holds a
+dot was never fetched ahead and its undotted twin dragged its chunks along.
 """
 
 from __future__ import annotations
@@ -280,14 +279,6 @@ def test_a_narrow_column_selection_fetches_only_its_column_chunks(data: dict[str
     assert wide.stats["bytes_fetched"] >= size // 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG: read-ahead matches column chunks by path_in_schema.split('.')[0] (parquet.column_chunk_spans): a "
-        "selected top-level column whose name holds a dot ('a.b') is never fetched ahead, and selecting 'a' "
-        "fetches the chunks of 'a.b' ahead, which the consumer never reads; expected exactly the selected chunks"
-    ),
-)
 def test_read_ahead_fetches_the_chunks_of_a_selected_column_whose_name_holds_a_dot(
     data: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -789,22 +780,12 @@ def rows_or_error(pipe: Any, url: str, limit: int) -> tuple[list[int], BaseExcep
     return got, None
 
 
-REPLACED_MID_EPOCH = pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG: an object replaced mid-epoch by one of the same size and layout is read on: rows of the new "
-        "object come out of the old pipeline (within the 30 s the watch trusts a HEAD; even where the disk "
-        "tier's confirming HEAD saw the new ETag) where a SourceError naming the object is due"
-    ),
-)
-
-
 @pytest.mark.parametrize(
     "when, disk",
     [
-        pytest.param("mid-epoch", False, id="mid-epoch", marks=REPLACED_MID_EPOCH),
-        pytest.param("mid-epoch", True, id="mid-epoch-disk-tier", marks=REPLACED_MID_EPOCH),
-        pytest.param("next-epoch", False, id="next-epoch", marks=REPLACED_MID_EPOCH),
+        pytest.param("mid-epoch", False, id="mid-epoch"),
+        pytest.param("mid-epoch", True, id="mid-epoch-disk-tier"),
+        pytest.param("next-epoch", False, id="next-epoch"),
     ],
 )
 def test_an_object_replaced_during_a_run_never_yields_rows_of_the_replacement(
@@ -825,14 +806,6 @@ def test_an_object_replaced_during_a_run_never_yields_rows_of_the_replacement(
     assert head + rest == [*ONE_FILE, *ONE_FILE][: len(head) + len(rest)]  # only rows of the object it was built on
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG: a pipeline restored (set_state on the live pipeline) after its object was replaced by one of the "
-        "same size and layout accepts the state and yields the replacement's rows; expected a StateError or "
-        "SourceError naming the object"
-    ),
-)
 def test_a_live_pipeline_restored_after_its_object_was_replaced_never_yields_its_rows(
     data: dict[str, Any], tmp_path: Path
 ) -> None:

@@ -36,6 +36,7 @@ from resumable.core.options import directory_option, int_option
 from resumable.errors import ConfigError, SourceError
 from resumable.sources import _sidecar
 from resumable.sources.chunk_cache import ChunkCache
+from resumable.sources.files import REMEDY
 from resumable.sources.remote import ObjectInfo, Remote
 
 BLOCK_BYTES = 1 << 20
@@ -292,8 +293,11 @@ class BlockReader:
                     loaded[block] = fetched_blocks[block] = data[
                         (block - a) * self.width : (block - a + 1) * self.width
                     ]
-            if tiers.disk is not None and fetched_blocks:  # before the load completes: then on disk
-                self._store_confirmed(tiers.disk, fetched_blocks)
+            if fetched_blocks:  # before the load completes: no reader sees them unconfirmed
+                self._confirm()
+                if tiers.disk is not None:
+                    for block, data in fetched_blocks.items():
+                        tiers.disk.put(self.key, block, data)
         except BaseException as error:
             self._settle(first, stop, future, None)
             future.set_exception(error)
@@ -301,20 +305,19 @@ class BlockReader:
         self._settle(first, stop, future, loaded, hits, fetched, requests)
         future.set_result(loaded)
 
-    def _store_confirmed(self, disk: ChunkCache, fetched: dict[int, bytes]) -> None:
-        """Store fetched blocks in the disk tier if a HEAD made after their fetch finds the
-        object still the version (and modification time) this reader opened, else drop them
-        (the source's watch reports the change): a ranged read returns whatever the object is
-        when it runs, and a replaced object's bytes must never reach a later run under the old
-        version's key. Filling the cache costs a HEAD per fetch; reading from it none."""
-        try:
-            now, handle = self.remote.head(self.name, self.kind)
-            handle.close()
-        except SourceError:
-            return  # unconfirmed: not cached
-        if (now.version, now.size, now.mtime_ns) == (self.info.version, self.info.size, self.info.mtime_ns):
-            for block, data in fetched.items():
-                disk.put(self.key, block, data)
+    def _confirm(self) -> None:
+        """SourceError unless a HEAD made after a fetch finds the object still the version (size
+        and modification time) this reader opened: a ranged read returns whatever the object is
+        when it runs, and a replacement's bytes must reach neither the reader nor the disk tier
+        under the old version's key. A HEAD per ranged read; reading from the tiers costs none."""
+        now, handle = self.remote.head(self.name, self.kind)
+        handle.close()
+        opened = (self.info.version, self.info.size, self.info.mtime_ns)
+        if (now.version, now.size, now.mtime_ns) != opened:
+            raise SourceError(
+                f"{self.kind}: {self.name!r} changed during the run (opened as {opened[0]}, {opened[1]} bytes, "
+                f"now {now.version}, {now.size} bytes); {REMEDY}"
+            )
 
     def _settle(
         self,

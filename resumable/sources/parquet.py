@@ -387,12 +387,13 @@ def column_chunk_spans(
     """Byte ranges ``(starts, ends)`` of the column chunks of ``row_group`` (of ``columns``, by
     top-level name; all by default): what decoding it reads."""
     group = metadata.row_group(row_group)
-    wanted = None if columns is None else set(columns)
+    roots = leaf_roots(metadata.schema.to_arrow_schema())
+    wanted = None if columns is None or len(roots) != group.num_columns else set(columns)
     starts: list[int] = []
     ends: list[int] = []
     for index in range(group.num_columns):
         chunk = group.column(index)
-        if wanted is not None and chunk.path_in_schema.split(".")[0] not in wanted:
+        if wanted is not None and roots[index] not in wanted:
             continue
         offsets = [chunk.data_page_offset]
         if chunk.has_dictionary_page and chunk.dictionary_page_offset is not None:
@@ -401,6 +402,23 @@ def column_chunk_spans(
         starts.append(start)
         ends.append(start + max(1, chunk.total_compressed_size))
     return np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
+
+
+def leaf_roots(schema: pa.Schema) -> list[str]:
+    """The top-level field of each leaf column, in the file's column order (depth first): a
+    column chunk's dotted path cannot tell a field named ``a.b`` from field ``b`` of ``a``."""
+    return [field.name for field in schema for _ in range(_leaf_count(field.type))]
+
+
+def _leaf_count(kind: pa.DataType) -> int:
+    """How many leaf columns Parquet stores a value of type ``kind`` in."""
+    if pa.types.is_struct(kind):
+        return sum(_leaf_count(kind.field(index).type) for index in range(kind.num_fields))
+    if pa.types.is_map(kind):
+        return _leaf_count(kind.key_type) + _leaf_count(kind.item_type)
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
+        return _leaf_count(kind.value_type)
+    return 1
 
 
 def _open_local(path: str) -> pa.NativeFile:

@@ -868,3 +868,35 @@ def test_an_object_replaced_then_put_back_restores_and_a_fresh_source_reads_the_
     upload_table(server, tmp_path, key)  # the same bytes again: the same ETag
     assert head + list(restored(build, state)) == list(ONE_FILE)
     shutil.rmtree(cache)
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "arrow"])
+def test_jsonl_and_arrow_objects_replaced_during_a_run_never_yield_rows_of_the_replacement(
+    s3_server: S3Server, tmp_path: Path, kind: str
+) -> None:
+    """The sibling of the Parquet case: JSONL and Arrow objects are read through the same
+    blocks; one replaced by an object of the same size mid-epoch gives rows of the object the
+    pipeline was built on, or a SourceError naming it."""
+    count = 400
+    path = tmp_path / f"x.{kind}"
+    replacement = tmp_path / f"y.{kind}"
+    for target, offset in ((path, 3000), (replacement, 6000)):  # ids and texts of the same widths
+        if kind == "jsonl":
+            target.write_text("".join(json.dumps({"id": offset + i, "text": "x" * 40}) + "\n" for i in range(count)))
+        else:
+            write_arrow(target, range(offset, offset + count), 25, stream=False)
+    assert path.stat().st_size == replacement.stat().st_size
+    key = f"{PREFIX}-during/replaced-{kind}/x.{kind}"
+    url = s3_server.upload(str(path), key)
+    source = rs.jsonl if kind == "jsonl" else rs.arrow
+    options = {"block_bytes": BLOCK, "cache_bytes": MEMORY, "disk_cache_bytes": 0}
+    pipe = source(url, storage_options=s3_server.options, **options).map(record_id)
+    head = take(pipe, 20)
+    s3_server.upload(str(replacement), key)
+    rest, error = rows_or_error(pipe, url, count)
+    got = head + rest
+    assert got == ([*range(3000, 3000 + count)] * 2)[: len(got)]  # the original's rows: never the new ones
+    if kind == "jsonl":  # read block by block: a later fetch finds the replacement
+        assert error is not None and "changed during the run" in str(error)
+    else:  # an Arrow object is read whole at its first batch: the run goes on over the original
+        assert error is None or "changed during the run" in str(error)

@@ -799,12 +799,6 @@ def advance(obj: Any, actions: list[str]) -> None:
             assert next(iterator, END) is END
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: len() of a Loader without workers, after load_state_dict of a state of a later epoch, is a "
-    "fresh pipeline's epoch-0 length until the next iter(); it should be the loaded epoch's, as the uninterrupted "
-    "Loader's len() and pipe.set_state give",
-)
 @pytest.mark.parametrize("point", ["iter1", "first1", "stopped1", "last2"])
 def test_len_of_a_loader_without_workers_restored_into_a_later_epoch_is_that_epoch_s(files: dict, point: str) -> None:
     """What a learning-rate schedule reads on restart: len() of the restored Loader equals the
@@ -817,7 +811,10 @@ def test_len_of_a_loader_without_workers_restored_into_a_later_epoch_is_that_epo
         state = roundtrip(loader.state_dict())
         epoch, length = loader.epoch, len(loader)
     assert length == lengths[epoch] and epoch == (2 if point == "last2" else 1)
-    with rst.Loader(factory) as resumed:
+    with rst.Loader(factory) as resumed, rst.Loader(factory) as untouched:
         resumed.load_state_dict(state)
+        untouched.load_state_dict(state)
         assert resumed.epoch == epoch
         assert len(resumed) == length
+        assert resumed.state_dict() == untouched.state_dict()  # len() left the loaded state pending
+        assert repr(list(resumed)) == repr(list(untouched))  # and the pass it resumes as it was

@@ -15,6 +15,7 @@ import resumable as rs
 import resumable.torch as rst
 from resumable.torch import Loader, PipelineDataset, _torchdata
 from resumable.torch.dataset import CollateBatch
+from tests.processes import as_rank
 
 EPOCHS = 2
 
@@ -591,3 +592,40 @@ def test_len_without_workers_is_the_pipelines_and_with_workers_a_type_error() ->
         len(rst.Loader(lambda: rs.from_list(list(range(10))).filter(bool).batch(3)))
     with pytest.raises(TypeError, match="Loader: len.. is unknown with DataLoader workers"):
         len(rst.Loader(build, num_workers=2))
+
+
+def varying_lengths() -> rs.Node:
+    """Rows per epoch that differ from epoch to epoch (a whole-epoch packing plan under a shard)."""
+    return (
+        rs.from_list([{"input_ids": list(range(1 + i * 3 % 7))} for i in range(46)])
+        .shuffle(0)
+        .shard()
+        .pack(8, strategy="bfd")
+    )
+
+
+def test_len_after_loading_a_later_epoch_is_that_epoch_s_own_and_rescaled() -> None:
+    """Before the next iter() applies a loaded state, len() is the loaded epoch's (what a
+    learning-rate schedule reads on restart): the same as once iter() applied it, for a state
+    of this rank and for every old rank's states rescaled onto fewer ranks; the resumed pass is
+    the same with or without that len()."""
+    olds, lengths = [], []
+    for rank in range(2):
+        with as_rank(rank, 2):
+            loader = rst.Loader(varying_lengths)
+            list(loader)
+            iterator = iter(loader)
+            next(iterator)
+            lengths.append(len(loader))
+            olds.append(json.loads(json.dumps(loader.state_dict())))
+    for world_size, state in ((2, olds[0]), (1, olds)):
+        with as_rank(0, world_size):
+            resumed, untouched = rst.Loader(varying_lengths), rst.Loader(varying_lengths)
+            resumed.load_state_dict(state)
+            untouched.load_state_dict(state)
+            before = len(resumed)
+            rest = [batch["input_ids"].tolist() for batch in resumed]
+            assert len(resumed) == before  # the length of the epoch the state was in
+            assert rest == [batch["input_ids"].tolist() for batch in untouched]
+            if world_size == 2:
+                assert before == lengths[0] != len(rst.Loader(varying_lengths))  # epoch 0's differs

@@ -159,14 +159,33 @@ class Loader(StatefulDataLoader):  # type: ignore[misc]  # torchdata is untyped 
 
     def __len__(self) -> int:
         """Batches per pass without workers: ``len()`` of the pipeline (this rank's, the current
-        epoch's; a TypeError naming the node where it is unknown). With workers, a TypeError: each
-        worker's share is resolved inside that worker."""
+        epoch's; a TypeError naming the node where it is unknown), of the epoch a loaded state
+        is in before the next ``iter()`` applies it. With workers, a TypeError: each worker's
+        share is resolved inside that worker."""
         if self.num_workers:
             raise TypeError(
                 "Loader: len() is unknown with DataLoader workers (each worker's share of the pipeline is resolved "
                 "inside it); without workers it is len() of the pipeline"
             )
-        return len(self.dataset.pipeline)
+        pipeline = self.dataset.pipeline
+        pending = self._pending_pipeline_state()
+        if pending is None:
+            return len(pipeline)
+        current = pipeline.get_state()  # the loaded state is applied at the next iter(): visit it
+        pipeline.set_state(pending)
+        try:
+            return len(pipeline)
+        finally:
+            pipeline.set_state(current)
+
+    def _pending_pipeline_state(self) -> dict[str, Any] | None:
+        """Without workers, the pipeline state a loaded Loader state (own or rescaled) holds until
+        the next ``iter()`` applies it; None when nothing is pending."""
+        if self._loaded is not None:
+            return parse_loader_state(self._loaded).pipelines[0]
+        if self.dataset.rescaled is not None:
+            return cast("dict[str, Any]", json.loads(self.dataset.rescaled[0]))
+        return None
 
     def _carried(self) -> dict[int, str] | None:
         """Each worker's final pipeline state of the epoch that ended, when the processes that

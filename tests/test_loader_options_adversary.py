@@ -208,7 +208,8 @@ def test_a_spawn_context_object_resumes_exactly(context: str) -> None:
     make = lambda: Loader(  # noqa: E731
         numbers, num_workers=1, persistent_workers=True, multiprocessing_context=multiprocessing.get_context(context)
     )
-    expected = two_epochs(make)
+    expected = two_epochs(lambda: Loader(numbers, num_workers=1, persistent_workers=True))  # forked: the same
+    # batches, without a spawned worker's seconds of start-up
     with make() as loader:
         iterator = iter(loader)
         head = [records_of(next(iterator)) for _ in range(3)]

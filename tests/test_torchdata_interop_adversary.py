@@ -115,8 +115,8 @@ POINTS = {
     "middle_of_epoch_2": (2, 4, False),
 }
 WORKER_POINTS = {
-    (1, False): ["first", "last", "first_of_the_next_epoch"],
-    (2, False): ["before_the_first", "middle", "last", "after_the_last", "first_of_the_next_epoch"],
+    (1, False): ["before_the_first", "last", "first_of_the_next_epoch"],
+    (2, False): ["middle", "last", "after_the_last", "first_of_the_next_epoch"],
     (2, True): ["first", "middle", "after_the_last", "first_of_the_next_epoch", "middle_of_epoch_2"],
 }
 

@@ -46,6 +46,7 @@ FOLDER = sys.argv[2]
 JSONL, PARQUET, CACHE = (os.path.join(FOLDER, name) for name in ("d.jsonl", "d.parquet", "cache"))
 RECORDS = [{"v": i} for i in range(int(sys.argv[3]))]
 K = 5  # items handed out before the job stops, exits or is interrupted
+DONE = object()  # the end of an epoch, as next(iterator, DONE) gives it
 
 
 def double(x):
@@ -168,9 +169,28 @@ def resume_after_interrupt(name, wait_for_parent):
     take the state in the handler; a fresh object restored from it continues exactly."""
     reference = [plain(x) for x in PIPELINES[name]()]
     obj, got = PIPELINES[name](), []
+    # KeyboardInterrupt inside next() (what is tested: the object's state as the signal finds
+    # it); one that lands after next() returned but before the item is counted here waits
+    # until it is, or this script would miss an item the object handed out
+    inside_next, pending = [False], []
+
+    def on_sigint(signum, frame):
+        if inside_next[0]:
+            raise KeyboardInterrupt
+        pending.append(signum)
+
+    signal.signal(signal.SIGINT, on_sigint)
+    iterator = iter(obj)
     try:
-        for item in obj:
+        while True:
+            inside_next[0] = True
+            item = next(iterator, DONE)
+            inside_next[0] = False
+            if item is DONE:
+                break
             got.append(plain(item))
+            if pending:
+                raise KeyboardInterrupt
             if len(got) == K:
                 if wait_for_parent:
                     say("READY")
@@ -178,9 +198,12 @@ def resume_after_interrupt(name, wait_for_parent):
                     os.kill(os.getpid(), signal.SIGINT)
             if wait_for_parent:
                 time.sleep(0.005)
-        while True:  # the signal came after the last item: wait for it
+        while not pending:  # the signal came after the last item: wait for it
             time.sleep(0.01)
+        raise KeyboardInterrupt
     except KeyboardInterrupt:
+        inside_next[0] = False
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         state = state_of(obj)
     rest = [plain(x) for x in restored(name, state)]
     # A signal that came after the last item leaves a state taken after the epoch's end, from

@@ -64,3 +64,36 @@ def test_a_live_iterator_held_in_a_script_s_globals_exits_cleanly(mode: str) -> 
     """The iterator is deleted after the interpreter has cleared the modules' globals: its
     shutdown must not reach for one (it printed an AttributeError from ``__del__``)."""
     assert run_job(mode) == ["batch [0, 2, 4, 6]"]
+
+
+def test_a_batch_interrupted_on_its_way_is_not_in_the_state_taken_then(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A KeyboardInterrupt that lands after a worker's batch was taken in but before torch
+    counted it handed out (torchdata's _process_data, below the Loader's): the state taken in
+    the handler is as of the last batch handed out, and a Loader restored from it gives the
+    interrupted batch next (it was once a state that no Loader would load: steps since -1)."""
+    import numpy as np
+    from torchdata.stateful_dataloader import stateful_dataloader
+
+    import resumable as rs
+    from resumable.torch import Loader
+
+    def build() -> rs.Node:
+        return rs.from_list(list(range(20))).shard().batch(2)
+
+    expected = [np.asarray(batch).tolist() for batch in Loader(build, num_workers=2)]
+    loader = Loader(build, num_workers=2)
+    iterator = iter(loader)
+    got = [np.asarray(next(iterator)).tolist() for _ in range(3)]
+
+    def interrupted(*args: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(stateful_dataloader._StatefulMultiProcessingDataLoaderIter, "_process_data", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        next(iterator)
+    monkeypatch.undo()
+    state = loader.state_dict()
+    del iterator
+    resumed = Loader(build, num_workers=2)
+    resumed.load_state_dict(state)
+    assert got + [np.asarray(batch).tolist() for batch in resumed] == expected

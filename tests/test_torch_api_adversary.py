@@ -618,15 +618,11 @@ def test_a_loader_over_from_torchdata_runs_epochs_and_resumes_in_the_second(work
         assert passes(resumed, 2) == [[[2, 3], [4, 5]], [[0, 1], [2, 3], [4, 5]]]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a known limit, documented in docs/torch.md: a torchdata node has no epoch number, and a fresh "
-    "FromTorchdata can only begin its next pass, so a Loader state of epoch 2 or later does not load into one",
-)
 @pytest.mark.parametrize(("workers", "persistent"), [(0, False), (1, True)], ids=["main", "persistent"])
 def test_a_loader_over_from_torchdata_resumes_in_a_later_epoch(workers: int, persistent: bool) -> None:
-    """The restored worker first starts the Loader's epoch (2) on a fresh FromTorchdata, which can
-    begin only pass 1: ConfigError 'cannot start epoch 2', though the state holds the pass count."""
+    """The restored worker first starts the Loader's epoch (2) on a fresh FromTorchdata, then
+    restores the state, which says where the torchdata node is: it resumes (it was refused with
+    ConfigError 'cannot start epoch 2' before the start waited for the restore)."""
     with rst.Loader(from_iterable_wrapper, num_workers=workers, persistent_workers=persistent) as loader:
         passes(loader, 2)
         iterator = iter(loader)

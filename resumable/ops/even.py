@@ -116,13 +116,6 @@ def store_min(offer: int, store: StoreRef, epoch: int, consumer: int, consumers:
     return min(int(value) for value in client.multi_get(keys))
 
 
-def holds_even(state: Any) -> bool:
-    """Whether a pipeline state (JSON data) has an Even node in it."""
-    if isinstance(state, dict):
-        return state.get("kind") == Even.kind or any(holds_even(value) for value in state.values())
-    return isinstance(state, list) and any(holds_even(value) for value in state)
-
-
 def agree_min(offer: int, group: Any = None) -> int:
     """The smallest ``offer`` over the ranks of ``group`` (one ``all_reduce(MIN)``), or
     ``offer`` itself when ``torch.distributed`` is not initialised (a single rank).

@@ -152,6 +152,7 @@ class _MultiProcessIterator(_Bounded, _StatefulMultiProcessingDataLoaderIter):  
         # Before torchdata's reset, which sends the first indices of the pass.
         self._sampler_counts: dict[int, int] = {}  # send index -> _sampler_iter_yielded when it was sent
         self._as_of_batch: _AsOfBatch | None = None  # what the snapshot holds as of the last batch handed out
+        self._as_of_batch_before: _AsOfBatch | None = None  # the one before (a batch interrupted on its way)
         self._pass_main_state: dict[str, Any] | None = None  # the main snapshot's entries read this pass
         super()._reset(loader, first_iter, prime_prefetch)
         # Each worker's state as a snapshot would hold it now, by worker key: torchdata's as the
@@ -178,6 +179,7 @@ class _MultiProcessIterator(_Bounded, _StatefulMultiProcessingDataLoaderIter):  
         key = self._worker_key(worker_id)
         fetcher = {_FETCHER_ENDED: False, _DATASET_ITER_STATE: shipped}
         self._latest_states[key] = {**self._latest_states[key], _FETCHER_STATE: fetcher}
+        self._as_of_batch_before = self._as_of_batch
         self._as_of_batch = _AsOfBatch(
             # torchdata counts a batch after this call, and not an error (which it raises here)
             self._num_yielded + (not isinstance(data, ExceptionWrapper)),
@@ -206,6 +208,9 @@ class _MultiProcessIterator(_Bounded, _StatefulMultiProcessingDataLoaderIter):  
 
     def state_dict(self) -> dict[str, Any]:
         as_of_batch = self._as_of_batch
+        if as_of_batch is not None and as_of_batch.step > self._num_yielded:
+            # interrupted (Ctrl-C) between this call and torch counting the batch: never handed out
+            as_of_batch = self._as_of_batch_before
         if as_of_batch is None:  # no batch since the pass started or was restored: torchdata's own
             return cast("dict[str, Any]", super().state_dict())
         snapshot = {

@@ -82,6 +82,10 @@ class ToTorchdata(BaseNode[T]):  # type: ignore[misc]  # torchdata is untyped (A
         self._started = True
         return item
 
+    def close(self) -> None:
+        """Stop the threads and pools of the pipeline it wraps (``Node.close``)."""
+        self.node.close()
+
     def get_state(self) -> dict[str, Any]:
         return {KIND: TO_TORCHDATA, VERSION: STATE_VERSION, STARTED: self._started, RESUMABLE: self.node.get_state()}
 
@@ -96,9 +100,13 @@ class FromTorchdata(Node[T]):
     Epochs: torchdata nodes have no epoch number; ``reset()`` begins "a new pass", whose
     content (the same order, the sampler's next epoch) is up to the torchdata node. So
     ``next_epoch()`` resets the torchdata node and counts passes in ``epoch``, and
-    ``start_epoch(e)`` works only where it is exact: ``e`` is the next pass (same as
-    ``next_epoch()``), or the current one while nothing of it has been handed out (nothing
-    to do). Any other ``e`` raises ``ConfigError`` rather than silently replaying another pass.
+    ``start_epoch(e)`` works only where it is exact: ``e`` is the next pass of a node that has
+    begun one (same as ``next_epoch()``), or the current one while nothing of it has been handed
+    out (nothing to do). Any other ``e`` raises ``ConfigError`` rather than silently replaying
+    another pass: a node that never began a pass (built fresh) can only begin its first.
+
+    ``close()`` reaches the resumable pipelines inside the torchdata graph (``ToTorchdata``
+    nodes found through the graph's attributes) and stops their threads and pools.
     """
 
     kind = "FromTorchdata"
@@ -111,6 +119,9 @@ class FromTorchdata(Node[T]):
         self.base_node = base_node
         self._epoch = 0
         self._yielded = 0
+        self._begun = False  # whether the torchdata node began a pass (read, reset or restored)
+        self._unreachable: ConfigError | None = None  # a later epoch asked of a fresh node
+        self._restored_unread = False  # restored, and nothing asked of the torchdata node since
 
     @property
     def epoch(self) -> int:
@@ -122,21 +133,47 @@ class FromTorchdata(Node[T]):
         return f"{self.kind}({type(self.base_node).__name__})"
 
     def _next(self) -> T:
+        if self._unreachable is not None:
+            raise self._unreachable
+        self._begun, self._restored_unread = True, False
         item: T = next(self.base_node)
         self._yielded += 1
         return item
 
     def _begin_epoch(self, epoch: int | None) -> None:
-        if epoch is None or epoch == self._epoch + 1:
+        target = self._epoch + 1 if epoch is None else epoch
+        self._unreachable = None
+        if target == self._epoch + 1 and self._begun:
+            if self._restored_unread:
+                self._touch_the_restored_pass()
             self.base_node.reset()
             self._epoch += 1
-        elif epoch != self._epoch or self._yielded:
-            raise ConfigError(
-                f"{self._name}: cannot start epoch {epoch}; a torchdata node has no epoch number and can "
-                f"only begin its next pass (epoch {self._epoch + 1})"
-            )
+        elif not self._begun and target != self._epoch:
+            # refused at its first item, unless a state restored first says where the node is (a
+            # DataLoader worker starts the Loader's epoch, then restores the pass it continues)
+            self._unreachable = self._cannot_start(target, "its first pass (epoch 0), or continue a saved state")
+        elif target != self._epoch or self._yielded:
+            raise self._cannot_start(target, f"its next pass (epoch {self._epoch + 1})")
         self._yielded = 0
         super()._begin_epoch(epoch)
+
+    def _touch_the_restored_pass(self) -> None:
+        """Ask a torchdata node restored in a pass it now leaves for one more item (dropped, or
+        the end of the pass), as a live node was: some count a restored pass as not begun
+        (SamplerWrapper's ``reset(state)`` clears its flag), so their next ``reset()`` would
+        repeat that pass's epoch."""
+        self._restored_unread = False
+        next(self.base_node, None)
+
+    def _cannot_start(self, epoch: int, begins: str) -> ConfigError:
+        return ConfigError(
+            f"{self._name}: cannot start epoch {epoch}; a torchdata node has no epoch number and can only begin "
+            f"{begins} (with rs.torch.Loader, keep its workers: persistent_workers=True)"
+        )
+
+    def _shutdown(self) -> None:
+        for node in _resumable_nodes_in(self.base_node):
+            node.close()
 
     def _config(self) -> dict[str, Any]:
         return {NODE_TYPE: type(self.base_node).__name__}
@@ -158,7 +195,30 @@ class FromTorchdata(Node[T]):
             raise StateError(
                 f"{path}: the torchdata node {type(self.base_node).__name__} rejected its saved state: {error!r}"
             ) from error
-        self._epoch, self._yielded = epoch, yielded
+        self._epoch, self._yielded, self._begun, self._unreachable = epoch, yielded, True, None
+        self._restored_unread = True
+
+
+def _resumable_nodes_in(graph: BaseNode[Any]) -> list[ToTorchdata[Any]]:
+    """The ``ToTorchdata`` nodes of a torchdata graph, found through its nodes' attributes
+    (torchdata nodes hold their sources as attributes, or in lists, tuples and dicts of them)."""
+    found: list[ToTorchdata[Any]] = []
+    seen: set[int] = set()
+    pending: list[Any] = [graph]
+    while pending:
+        value = pending.pop()
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        if isinstance(value, ToTorchdata):
+            found.append(value)
+        elif isinstance(value, BaseNode):
+            pending.extend(vars(value).values())
+        elif isinstance(value, (list, tuple)):
+            pending.extend(value)
+        elif isinstance(value, dict):
+            pending.extend(value.values())
+    return found
 
 
 def _json_copy(value: Any, name: str, where: str) -> Any:

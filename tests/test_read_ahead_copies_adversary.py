@@ -35,7 +35,6 @@ from tests.sources import stream_source
 RECORDS = [{"id": i, "input_ids": list(range(i % 5 + 1))} for i in range(20)]
 LIMIT = 40  # items taken at most from a pipeline that may not end (a restarting mix)
 CHILD_TIMEOUT_S = 60.0  # a hang guard for children that should answer, not a speed check
-HANG_TIMEOUT_S = 4.0  # where a hang is the bug being shown: such a child answers in well under 1 s
 SETTLE_S = 2.0
 READ_AHEAD_KINDS = ("Prefetch", "ParallelMap")
 
@@ -519,7 +518,7 @@ def test_a_fork_while_the_prefetch_thread_reads_a_stream_line(tmp_path: Path, gz
         try:
             assert next(pipe)["id"] == 0
             time.sleep(0.005)  # item 1 is queued; the thread reads the first big line
-            outcome, got = _in_child(_ids_to_the_end, pipe, timeout=HANG_TIMEOUT_S)
+            outcome, got = _in_child(_ids_to_the_end, pipe)  # the hang shown never ends: a long guard finds it
             assert outcome != "hang", "the forked child hung"
             assert (outcome, got) == ("ok", [1, 2, 3, 4, 5])
             assert _ids_to_the_end(pipe) == [1, 2, 3, 4, 5]

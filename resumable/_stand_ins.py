@@ -3,6 +3,7 @@ read (``python -m resumable inspect``) without running anything of the file's.""
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 
@@ -35,8 +36,13 @@ class NotRead:
 
 
 def not_read_class(name: str) -> type[NotRead]:
-    """A ``NotRead`` class standing in for the global ``name`` (``module.Name``)."""
-    return type(name.rpartition(".")[2] or name, (NotRead,), {"saved_as": name, "__module__": __name__})
+    """The ``NotRead`` class standing in for the global ``name`` (``module.Name``), one per name,
+    kept in this module so that it pickles by reference (a DCP entry holding the class itself,
+    a numpy array's, is saved once more)."""
+    attribute = "NotRead_" + hashlib.sha256(name.encode()).hexdigest()[:20]
+    made = type(attribute, (NotRead,), {"saved_as": name, "__module__": __name__, "__qualname__": attribute})
+    kept: type[NotRead] = globals().setdefault(attribute, made)
+    return kept
 
 
 def _not_read_again(name: str, arguments: tuple[tuple[Any, ...], dict[str, Any]], state: Any) -> NotRead:

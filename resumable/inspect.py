@@ -106,12 +106,12 @@ def load_any(path: str) -> list[tuple[str, Any]]:
 
     try:
         return [(path, load_plain(path, stand_in=True, map_location="cpu"))]
-    except pickle.UnpicklingError as error:  # a global torch refuses even to stand in for (os.system)
-        refused = [line for line in str(error).splitlines() if "GLOBAL" in line] or [str(error)]
-        raise StateError(
-            f"{path}: a torch checkpoint that torch.load(weights_only=True) refuses to read ({refused[0]:.200})"
-        ) from error
     except Exception as error:  # what torch.load raises on a file that is no checkpoint has no common type
+        refused = [line for line in str(error).splitlines() if "GLOBAL" in line]
+        if isinstance(error, pickle.UnpicklingError) and refused:  # one torch will not stand in for (os.system)
+            raise StateError(
+                f"{path}: a torch checkpoint that torch.load(weights_only=True) refuses to read ({refused[0]:.200})"
+            ) from error
         raise _unreadable(path, "neither JSON nor a torch checkpoint", error) from error
 
 
@@ -141,8 +141,13 @@ def find_states(source: str, obj: Any, build: PipelineFactory | None = None) -> 
     recursion: a checkpoint may nest deeper than Python's stack.
     """
     pending = [obj]
+    seen: set[int] = set()  # containers already searched: objects may refer back to each other
     while pending:
         obj = pending.pop()
+        if isinstance(obj, (dict, list, tuple, set, frozenset, NotRead)):
+            if id(obj) in seen:
+                continue
+            seen.add(id(obj))
         if isinstance(obj, str) and obj.startswith("{"):
             try:
                 obj = json.loads(obj)  # rs.torch.PerRank stores states as JSON strings
@@ -156,6 +161,8 @@ def find_states(source: str, obj: Any, build: PipelineFactory | None = None) -> 
             pending.extend(reversed(obj.values()))
         elif isinstance(obj, (list, tuple)):
             pending.extend(reversed(obj))
+        elif isinstance(obj, (set, frozenset)):
+            pending.extend(obj)
         elif isinstance(obj, NotRead):  # a training script's own object, which may hold the state
             pending.extend([obj.state, obj.arguments])
 

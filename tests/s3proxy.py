@@ -85,7 +85,9 @@ def _handler(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
                 return
             if fate == "503":  # see RANGED_SLOW_DOWN
                 ranged = self.command == "GET" and "Range" in self.headers
-                self._answer(503, [("Content-Type", "application/xml")], RANGED_SLOW_DOWN if ranged else SLOW_DOWN)
+                head = self.command == "HEAD"  # no body: one would be read as the next answer on the connection
+                headers = [("Content-Type", "application/xml")] + ([("Content-Length", "0")] if head else [])
+                self._answer(503, headers, RANGED_SLOW_DOWN if ranged else SLOW_DOWN, head=head)
                 return
             connection = http.client.HTTPConnection(proxy.upstream, timeout=30)
             try:

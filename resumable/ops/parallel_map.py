@@ -397,6 +397,9 @@ class ParallelMap(ReadAhead[U]):
         """Read the upstream and submit chunks of records until the window has no room for
         another chunk or the epoch ends; every record read is submitted before returning."""
         upstream, window = self.upstream, self._window
+        if window and window[-1][0] == _ERROR:
+            return  # read on once the error is handed out: an upstream that failed without moving
+            # (a file gone, an object replaced) would fail at the same record again and again
         chunk = _Chunk()
         try:
             while not self._upstream_done and (chunk.items or len(window) + self._chunk_size <= self.max_in_flight):
@@ -408,7 +411,7 @@ class ParallelMap(ReadAhead[U]):
                     break
                 except Exception as error:  # noqa: BLE001 - handed out in order
                     window.append((_ERROR, error, 0, upstream._mark(), upstream.last_key()))
-                    continue
+                    break
                 window.append((_RESULT, chunk, len(chunk.items), upstream._mark(), upstream.last_key()))
                 chunk.items.append(item)
                 if len(chunk.items) == self._chunk_size:

@@ -44,6 +44,7 @@ class _Producer:
         self.upstream = upstream
         self.queue: queue.Queue[tuple[int, Any, Mark, RecordKey | None]] = queue.Queue(buffer_size)
         self.stop_event = threading.Event()
+        self.error_taken = threading.Event()  # the consumer took the error last put
         self.lock = lock
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
@@ -61,10 +62,17 @@ class _Producer:
                     item, tag = error, _ERROR
                 mark = upstream._mark()
                 key = upstream.last_key()
+            if tag == _ERROR:
+                self.error_taken.clear()
             if not self._put((tag, item, mark, key)) or tag == _END:
                 return
             if tag == _ERROR and not isinstance(item, Exception):
                 return  # KeyboardInterrupt, SystemExit: nothing follows
+            if tag == _ERROR:  # read on once it is handed out: an upstream that failed without
+                # moving (a file gone, an object replaced) would fail at the same record again
+                while not self.error_taken.wait(POLL_S):
+                    if self.stop_event.is_set():
+                        return
 
     def _put(self, message: tuple[int, Any, Mark, RecordKey | None]) -> bool:
         """Put ``message`` in the queue, waiting while it is full; False if asked to stop."""
@@ -80,10 +88,14 @@ class _Producer:
         """The next message, waiting for the producer."""
         while True:
             try:
-                return self.queue.get(timeout=POLL_S)
+                message = self.queue.get(timeout=POLL_S)
             except queue.Empty:
                 if not self.thread.is_alive() and self.queue.empty():
                     raise RuntimeError("the prefetch thread stopped without a final message") from None
+                continue
+            if message[0] == _ERROR:
+                self.error_taken.set()
+            return message
 
     def stop(self, join_timeout: float | None = None) -> None:
         """Ask the thread to stop, drop what it produced, and wait for it to finish (at most

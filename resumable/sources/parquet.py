@@ -298,7 +298,7 @@ class ParquetSource(ColumnarRows, PathSource[dict[str, Any]]):
         with reading(f"{self.kind}: cannot decode row group {int(self._group_local[group])} of {self.paths[file]!r}"):
             if private_handle:
                 handle = pq.ParquetFile(self._source(file), metadata=handle.metadata)  # closed when dropped
-            table = handle.read_row_group(int(self._group_local[group]), columns=self.columns)
+            table = read_columns(handle, int(self._group_local[group]), self.columns)
             table.validate(full=True)  # what to_pylist will trust: offsets in bounds, valid UTF-8
         return table
 
@@ -404,6 +404,19 @@ def column_chunk_spans(
     return np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
 
 
+def read_columns(handle: pq.ParquetFile, row_group: int, columns: Sequence[str] | None) -> pa.Table:
+    """Row group ``row_group`` of the top-level ``columns`` (all by default), in that order. Leaves
+    are chosen by position (``leaf_roots``): pyarrow takes a name as a dotted path too, so
+    ``"a.b"`` would also read field ``b`` of a struct ``a``."""
+    roots = leaf_roots(handle.schema_arrow)
+    if columns is None or len(roots) != handle.metadata.num_columns or not set(columns) <= set(roots):
+        return handle.read_row_group(row_group, columns=columns)  # pyarrow's own, and its error for a missing one
+    wanted = set(columns)
+    indices = [index for index, root in enumerate(roots) if root in wanted]
+    table = handle.reader.read_row_group(row_group, column_indices=indices, use_threads=True)
+    return table.select(list(dict.fromkeys(columns)))
+
+
 def leaf_roots(schema: pa.Schema) -> list[str]:
     """The top-level field of each leaf column, in the file's column order (depth first): a
     column chunk's dotted path cannot tell a field named ``a.b`` from field ``b`` of ``a``."""
@@ -412,6 +425,8 @@ def leaf_roots(schema: pa.Schema) -> list[str]:
 
 def _leaf_count(kind: pa.DataType) -> int:
     """How many leaf columns Parquet stores a value of type ``kind`` in."""
+    if isinstance(kind, pa.ExtensionType):
+        return _leaf_count(kind.storage_type)
     if pa.types.is_struct(kind):
         return sum(_leaf_count(kind.field(index).type) for index in range(kind.num_fields))
     if pa.types.is_map(kind):

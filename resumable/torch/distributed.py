@@ -158,9 +158,12 @@ def load_plain(file: str | io.BytesIO, stand_in: bool, map_location: str | None 
     import torch
     from torch import serialization
 
-    names = []
+    names: list[str] = []
     if stand_in and hasattr(serialization, "get_unsafe_globals_in_checkpoint"):
-        names = serialization.get_unsafe_globals_in_checkpoint(file)
+        try:
+            names = serialization.get_unsafe_globals_in_checkpoint(file)
+        except Exception:  # noqa: BLE001, S110 - it reads only torch's zip format: the legacy one loads as it is
+            pass
         if isinstance(file, io.BytesIO):
             file.seek(0)
     if not names:

@@ -170,11 +170,16 @@ class Loader(StatefulDataLoader):  # type: ignore[misc]  # torchdata is untyped 
             )
         pipeline = self.dataset.pipeline
         pending = self._pending_pipeline_state()
-        if pending is None:
+        started = self.dataset._started
+        behind = pending is None and (started[2] if started is not None else 0) != self._epoch
+        if pending is None and not behind:
             return len(pipeline)
-        current = pipeline.get_state()  # the loaded state is applied at the next iter(): visit it
-        pipeline.set_state(pending)
+        current = pipeline.get_state()  # a loaded state is applied at the next iter(): visit it
         try:
+            if pending is not None:
+                pipeline.set_state(pending)
+            else:  # every old rank's states of an ended epoch: the pipeline is still as built
+                pipeline.start_epoch(self._epoch)
             return len(pipeline)
         finally:
             pipeline.set_state(current)

@@ -40,3 +40,34 @@ def cache_dir_of_the_session(tmp_path_factory: pytest.TempPathFactory) -> Iterat
         del os.environ["RESUMABLE_CACHE_DIR"]
     else:
         os.environ["RESUMABLE_CACHE_DIR"] = saved
+
+
+LAUNCHER_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT",
+)
+"""What torchrun or a cluster's launcher sets: a shell inside one would make every test a rank."""
+PROXY_AND_AWS_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "AWS_PROFILE", "AWS_CONFIG_FILE")
+"""What would send the loopback S3 server's requests elsewhere, or to a missing profile."""
+
+
+@pytest.fixture(scope="session", autouse=True)
+def environment_of_a_plain_process() -> Iterator[None]:
+    """The tests run as one process outside any launcher and reach 127.0.0.1 directly, whatever
+    the shell they are started from holds; restored after."""
+    names = LAUNCHER_VARIABLES + PROXY_AND_AWS_VARIABLES + ("NO_PROXY", "no_proxy")
+    saved = {name: os.environ.get(name) for name in names}
+    for name in LAUNCHER_VARIABLES + PROXY_AND_AWS_VARIABLES:
+        os.environ.pop(name, None)
+    os.environ["NO_PROXY"] = os.environ["no_proxy"] = "127.0.0.1,localhost"
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value

@@ -370,7 +370,7 @@ def assert_quiet(errors: str, flags: tuple[str, ...] = ()) -> None:
     ("mode", "flags"),
     [
         ("end", ()),
-        ("dev", ("-W", "error", "-X", "dev")),
+        ("dev", ("-W", "error", "-W", "ignore:This DataLoader will create", "-X", "dev")),  # torch's advice on one core
     ],
 )
 def test_a_script_that_falls_off_the_end_holding_everything_exits_cleanly(

@@ -511,6 +511,7 @@ def test_a_state_saved_with_a_snapshot_interval_still_resumes_exactly(persistent
 def test_snapshot_every_n_steps_is_deprecated_and_ignored() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", "This DataLoader will create")  # torch's advice on a one-core machine
         Loader(small, num_workers=2, snapshot_every_n_steps=1)
     with pytest.warns(FutureWarning, match="snapshot_every_n_steps=16 is ignored and deprecated"):
         loader = Loader(small, num_workers=2, snapshot_every_n_steps=16)

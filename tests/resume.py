@@ -11,6 +11,7 @@ import json
 from typing import Any, Callable
 
 import numpy as np
+import torch
 
 from resumable import Node
 
@@ -25,7 +26,7 @@ EMPTY_EPOCHS = 50
 
 def plain(item: Any) -> Any:
     """The item as comparable plain data (packed rows hold numpy arrays)."""
-    if isinstance(item, np.ndarray):
+    if isinstance(item, (np.ndarray, torch.Tensor)):
         return item.tolist()
     if isinstance(item, dict):
         return {key: plain(value) for key, value in item.items()}

@@ -40,13 +40,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import resumable as rs
 import resumable.torch as rst
 from resumable.loader_state import parse_loader_state
 from resumable.pack import collate_rows
+from tests.resume import plain
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:'set_vital' is deprecated"),
@@ -169,19 +169,6 @@ def unknown_length(kind: str, chain: str) -> str | None:
     if chain == "packed":
         return "Pack"
     return "JsonlStream" if kind == "stream" else None
-
-
-def norm(item: Any) -> Any:
-    """An item as plain comparable data, whether numpy, torch or Python."""
-    if isinstance(item, (np.ndarray, torch.Tensor)):
-        return item.tolist()
-    if isinstance(item, np.generic):
-        return item.item()
-    if isinstance(item, dict):
-        return {key: norm(value) for key, value in item.items()}
-    if isinstance(item, (list, tuple)):
-        return [norm(x) for x in item]
-    return item
 
 
 def roundtrip(state: Any) -> Any:
@@ -361,10 +348,10 @@ def play(
             elif action == "next":
                 item = next(iterator, END)
                 assert item is not END, f"the epoch ended early, at action {index}"
-                run.loops[-1].append(norm(item))
+                run.loops[-1].append(plain(item))
             elif action == "stop":
                 item = next(iterator, END)
-                assert item is END, f"the epoch went on past its end, at action {index}: {norm(item)}"
+                assert item is END, f"the epoch went on past its end, at action {index}: {plain(item)}"
                 inside = False
     finally:
         mode.close(obj)
@@ -382,7 +369,7 @@ def uninterrupted(mode_name: str, kind: str, chain: str, factory: Callable[[], r
         mode = MODES[mode_name]
         obj = mode.make(factory)
         try:
-            _UNINTERRUPTED[key] = [[norm(item) for item in obj] for _ in range(EPOCHS)]
+            _UNINTERRUPTED[key] = [[plain(item) for item in obj] for _ in range(EPOCHS)]
         finally:
             mode.close(obj)
     return _UNINTERRUPTED[key]
@@ -748,7 +735,7 @@ def test_empty_epochs_between_full_ones_resume_at_every_edge(files: dict, mode_n
     mode = MODES[mode_name]
     obj = mode.make(factory)
     try:
-        expected = [[norm(item) for item in obj] for _ in range(6)]
+        expected = [[plain(item) for item in obj] for _ in range(6)]
     finally:
         mode.close(obj)
     lengths = [len(loop) for loop in expected]

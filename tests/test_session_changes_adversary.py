@@ -704,9 +704,9 @@ class Livelock(BaseException):
     """Raised by a confirmation after far more failed ones than a run that stops at the first makes."""
 
 
-def test_parallel_map_over_a_replaced_object_hands_the_source_error_out(
-    s3_server: S3Server, files: dict[str, Path], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def failed_confirmations(monkeypatch: pytest.MonkeyPatch, most: int | None = None) -> list[int]:
+    """A counter (one element) of the remote reads whose confirming HEAD found the object changed;
+    past ``most`` of them, a ``Livelock`` ends the run."""
     failed = [0]
     confirm = blocks.BlockReader._confirm
 
@@ -715,11 +715,18 @@ def test_parallel_map_over_a_replaced_object_hands_the_source_error_out(
             confirm(reader)
         except rs.SourceError:
             failed[0] += 1
-            if failed[0] > 50:
+            if most is not None and failed[0] > most:
                 raise Livelock(f"{failed[0]} confirmations failed in a row") from None
             raise
 
     monkeypatch.setattr(blocks.BlockReader, "_confirm", counted)
+    return failed
+
+
+def test_parallel_map_over_a_replaced_object_hands_the_source_error_out(
+    s3_server: S3Server, files: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    failed = failed_confirmations(monkeypatch, most=50)
     key = "session-adversary/parallel-map/x.jsonl"
     url = s3_server.upload(str(files["big_x"]), key)
     pipe = jsonl_source(s3_server, url).map(record_id, num_workers=2)
@@ -737,17 +744,7 @@ def test_prefetch_over_a_replaced_object_waits_for_its_error_to_be_handed_out(
     """The sibling in prefetch: its reader stops at an upstream error until the consumer takes
     it, rather than failing at the same record again until its queue is full (one failed read
     of the object per error handed out, not one per free slot)."""
-    failed = [0]
-    confirm = blocks.BlockReader._confirm
-
-    def counted(reader: blocks.BlockReader) -> None:
-        try:
-            confirm(reader)
-        except rs.SourceError:
-            failed[0] += 1
-            raise
-
-    monkeypatch.setattr(blocks.BlockReader, "_confirm", counted)
+    failed = failed_confirmations(monkeypatch)
     key = "session-adversary/prefetch/x.jsonl"
     url = s3_server.upload(str(files["big_x"]), key)
     pipe = jsonl_source(s3_server, url).map(record_id).prefetch(16)

@@ -103,7 +103,9 @@ class FromTorchdata(Node[T]):
     ``start_epoch(e)`` works only where it is exact: ``e`` is the next pass of a node that has
     begun one (same as ``next_epoch()``), or the current one while nothing of it has been handed
     out (nothing to do). Any other ``e`` raises ``ConfigError`` rather than silently replaying
-    another pass: a node that never began a pass (built fresh) can only begin its first.
+    another pass. A node that never began a pass (built fresh) can only begin its first, or
+    continue a state restored before its first item: a later epoch asked of it waits for such a
+    restore, and without one is a ``ConfigError`` at its first item.
 
     ``close()`` reaches the resumable pipelines inside the torchdata graph (``ToTorchdata``
     nodes found through the graph's attributes) and stops their threads and pools.

@@ -755,7 +755,8 @@ def test_prefetch_over_a_replaced_object_waits_for_its_error_to_be_handed_out(
         assert error is not None and url in str(error)
         assert head + rest == list(range(10_000, 10_000 + len(head) + len(rest)))
         time.sleep(0.3)  # a reader that read on would fail again meanwhile
-        assert failed[0] <= 2  # the one handed out, and the next attempt once it was taken
+        assert failed[0] <= 8  # two attempts (the one handed out, the next once it was taken), each a
+        # fetch and its read-ahead; reading on until the queue of 16 was full failed at least 16 times
     finally:
         pipe.close()
 

@@ -596,7 +596,7 @@ def corrupted(draw: st.DrawFn, state: dict[str, Any]) -> dict[str, Any]:
     return state
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(on_end=st.sampled_from(ON_END), k=st.integers(0, 25), j=st.integers(0, 25), data=st.data())
 def test_fuzzed_states_are_refused_with_a_typed_error_and_leave_the_mix_as_it_was(
     on_end: str, k: int, j: int, data: st.DataObject

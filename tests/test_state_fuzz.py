@@ -325,7 +325,7 @@ def test_every_entry_of_a_state_corrupted_every_way(chain: str) -> None:
             check_corrupted_state(build, state, corrupt(state, where, operation, replacement), expected)
 
 
-@settings(deadline=None, max_examples=60)
+@settings(deadline=None, max_examples=30)
 @given(
     kind=st.sampled_from(INDEXED_KINDS),
     chain=st.sampled_from([*sorted(chains("list")), *PREPARED]),
@@ -345,7 +345,7 @@ def test_a_corrupted_state_is_a_typed_error_or_a_valid_state(
     check_corrupted_state(build, state, corrupt(state, where, operation, replacement))
 
 
-@settings(deadline=None, max_examples=30)
+@settings(deadline=None, max_examples=15)
 @given(value=st.recursive(st.none() | st.integers() | st.text(max_size=3), lambda inner: st.lists(inner, max_size=3)))
 def test_any_json_value_as_a_whole_state_is_a_typed_error(value: Any) -> None:
     build = chains("list")["pack_best_fit"]

@@ -8,10 +8,10 @@ again starts the next one.
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any, Callable
 
 import numpy as np
-import torch
 
 from resumable import Node
 
@@ -26,7 +26,8 @@ EMPTY_EPOCHS = 50
 
 def plain(item: Any) -> Any:
     """The item as comparable plain data (packed rows hold numpy arrays)."""
-    if isinstance(item, (np.ndarray, torch.Tensor)):
+    torch = sys.modules.get("torch")  # not imported here: a process pool's workers import this module
+    if isinstance(item, np.ndarray) or (torch is not None and isinstance(item, torch.Tensor)):
         return item.tolist()
     if isinstance(item, dict):
         return {key: plain(value) for key, value in item.items()}

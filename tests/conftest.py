@@ -14,7 +14,7 @@ os.environ["RESUMABLE_VERIFY_HEADERS"] = "1"
 
 settings.register_profile("dev", max_examples=150, deadline=None)
 settings.register_profile(
-    "ci", max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+    "ci", max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 

@@ -75,6 +75,7 @@ from tests.processes import as_rank
 from tests.resume import roundtrip, take
 from tests.s3proxy import FaultProxy
 from tests.s3server import BUCKET, S3Server
+from tests.test_loader import varying_lengths
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::FutureWarning")]
 
@@ -959,16 +960,6 @@ def test_read_ahead_of_one_column_beside_an_extension_type_stored_as_a_struct(tm
 # 4. Loader.__len__ after load_state_dict, without workers
 
 
-def varying_rows() -> rs.Node:
-    """Packed rows per epoch that differ from epoch to epoch on rank 0 of 2 (14, 12, 11, 12)."""
-    return (
-        rs.from_list([{"input_ids": list(range(1 + i * 3 % 7))} for i in range(46)])
-        .shuffle(0)
-        .shard()
-        .pack(8, strategy="bfd")
-    )
-
-
 def plain_batches() -> rs.Node:
     return rs.from_list(list(range(41))).shuffle(3).shard().map(lambda x: x * 2).batch(3, collate_fn=np.array)
 
@@ -995,7 +986,7 @@ def run_until(build: Callable[[], rs.Node], epochs_done: int, batches: int | Non
     return roundtrip(loader.state_dict())
 
 
-@pytest.mark.parametrize("build", [varying_rows, plain_batches], ids=lambda b: b.__name__)
+@pytest.mark.parametrize("build", [varying_lengths, plain_batches], ids=lambda b: b.__name__)
 def test_len_after_loading_own_states_is_the_len_once_iter_applied_them(build: Callable[[], rs.Node]) -> None:
     """Cut at the start, inside, at the last batch of epochs 0 and 2: len() called many times,
     between state_dict() calls, after loading twice (another state first) is the len() once
@@ -1020,7 +1011,7 @@ def test_len_after_loading_own_states_is_the_len_once_iter_applied_them(build: C
             assert loader.epoch == untouched.epoch == epochs_done
 
 
-@pytest.mark.parametrize("build", [varying_rows, plain_batches], ids=lambda b: b.__name__)
+@pytest.mark.parametrize("build", [varying_lengths, plain_batches], ids=lambda b: b.__name__)
 def test_len_after_loading_every_old_rank_s_states_is_the_len_once_iter_applied_them(
     build: Callable[[], rs.Node],
 ) -> None:
@@ -1053,16 +1044,9 @@ def test_len_after_loading_a_finished_epoch_s_state_is_the_ended_epoch_s_until_i
     """Between passes len() is the ended epoch's, as the uninterrupted Loader's (README); once
     iter() began the next pass, that pass's."""
     with as_rank(0, 2):
-        state = run_until(varying_rows, 2, None)
+        state = run_until(varying_lengths, 2, None)
         assert parse_finished(state)
-        uninterrupted = rst.Loader(varying_rows)
-        for _ in range(2):
-            list(uninterrupted)
-        loader = rst.Loader(varying_rows)
-        loader.load_state_dict(state)
-        assert len(loader) == len(uninterrupted)
-        iterator = iter(loader)
-        assert len(loader) == len(rows(iterator))
+        check_len_between_passes(state)
 
 
 def test_len_after_loading_finished_states_of_every_old_rank_is_the_ended_epoch_s_until_iter() -> None:
@@ -1071,17 +1055,23 @@ def test_len_after_loading_finished_states_of_every_old_rank_is_the_ended_epoch_
     olds = []
     for rank in range(3):
         with as_rank(rank, 3):
-            olds.append(run_until(varying_rows, 2, None))
+            olds.append(run_until(varying_lengths, 2, None))
             assert parse_finished(olds[-1])
     with as_rank(0, 2):
-        uninterrupted = rst.Loader(varying_rows)
-        for _ in range(2):
-            list(uninterrupted)
-        loader = rst.Loader(varying_rows)
-        loader.load_state_dict(olds)
-        assert len(loader) == len(uninterrupted)
-        iterator = iter(loader)
-        assert len(loader) == len(rows(iterator))
+        check_len_between_passes(olds)
+
+
+def check_len_between_passes(loaded: Any) -> None:
+    """A Loader given ``loaded`` (states taken once epoch 1 had ended) reports the ended epoch's
+    len() as the uninterrupted Loader does there, and once iter() began the next pass, its."""
+    uninterrupted = rst.Loader(varying_lengths)
+    for _ in range(2):
+        list(uninterrupted)
+    loader = rst.Loader(varying_lengths)
+    loader.load_state_dict(loaded)
+    assert len(loader) == len(uninterrupted)
+    iterator = iter(loader)
+    assert len(loader) == len(rows(iterator))
 
 
 def parse_finished(state: dict[str, Any]) -> bool:

@@ -62,17 +62,18 @@ class _Producer:
                     item, tag = error, _ERROR
                 mark = upstream._mark()
                 key = upstream.last_key()
-            if tag == _ERROR:
-                self.error_taken.clear()
-            if not self._put((tag, item, mark, key)) or tag == _END:
-                return
-            if tag == _ERROR and not isinstance(item, Exception):
-                return  # KeyboardInterrupt, SystemExit: nothing follows
-            if tag == _ERROR:  # read on once it is handed out: an upstream that failed without
-                # moving (a file gone, an object replaced) would fail at the same record again
-                while not self.error_taken.wait(POLL_S):
-                    if self.stop_event.is_set():
-                        return
+            if tag != _ERROR:
+                if not self._put((tag, item, mark, key)) or tag == _END:
+                    return
+                continue
+            self.error_taken.clear()
+            if not self._put((tag, item, mark, key)) or not isinstance(item, Exception):
+                return  # asked to stop; or KeyboardInterrupt, SystemExit: nothing follows
+            # Read on once the error is handed out: an upstream that failed without moving (a
+            # file gone, an object replaced) would fail at the same record again.
+            while not self.error_taken.wait(POLL_S):
+                if self.stop_event.is_set():
+                    return
 
     def _put(self, message: tuple[int, Any, Mark, RecordKey | None]) -> bool:
         """Put ``message`` in the queue, waiting while it is full; False if asked to stop."""

@@ -238,6 +238,12 @@ class PipelineDataset(IterableDataset[Any]):
             self._pipeline = built
         return self._pipeline
 
+    @property
+    def started_epoch(self) -> int | None:
+        """The epoch this process's pipeline was last started in (None before its first
+        ``iter()``), as a restore of its iterator moved it."""
+        return None if self._started is None else self._started[2]
+
     def __iter__(self) -> WorkerIterator:
         if get_worker_info() is not None:
             inherit_rank(*self.rank)

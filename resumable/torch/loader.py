@@ -170,8 +170,8 @@ class Loader(StatefulDataLoader):  # type: ignore[misc]  # torchdata is untyped 
             )
         pipeline = self.dataset.pipeline
         pending = self._pending_pipeline_state()
-        started = self.dataset._started
-        behind = pending is None and (started[2] if started is not None else 0) != self._epoch
+        started = self.dataset.started_epoch
+        behind = pending is None and (started or 0) != self._epoch
         if pending is None and not behind:
             return len(pipeline)
         current = pipeline.get_state()  # a loaded state is applied at the next iter(): visit it

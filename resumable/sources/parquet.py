@@ -193,6 +193,7 @@ class ParquetSource(ColumnarRows, PathSource[dict[str, Any]]):
         self.cache_row_groups = cache_row_groups
         self._handles: OpenFiles[pq.ParquetFile] = OpenFiles(len(self.paths))
         self._metadata: list[pq.FileMetaData | None] = [None] * len(self.paths)  # each file's footer, parsed once
+        self._roots: list[list[str] | None] = [None] * len(self.paths)  # each file's leaf_roots, from its footer
         if remote is None:
             self._files = WatchedFiles.of(self.kind, self.paths, footer_digest)
         else:
@@ -288,6 +289,14 @@ class ParquetSource(ColumnarRows, PathSource[dict[str, Any]]):
         self._metadata[file] = handle.metadata
         return handle
 
+    def _leaf_roots(self, file: int) -> list[str]:
+        """``leaf_roots`` of file ``file``, built once from its footer (a wide schema takes about
+        a millisecond, paid otherwise with every row group decoded or fetched ahead)."""
+        roots = self._roots[file]
+        if roots is None:
+            roots = self._roots[file] = leaf_roots(self._file(file).schema_arrow)
+        return roots
+
     def _read_row_group(self, group: int, private_handle: bool = False) -> pa.Table:
         """Decode row group ``group`` (global numbering) from its file, bypassing the cache.
 
@@ -298,7 +307,7 @@ class ParquetSource(ColumnarRows, PathSource[dict[str, Any]]):
         with reading(f"{self.kind}: cannot decode row group {int(self._group_local[group])} of {self.paths[file]!r}"):
             if private_handle:
                 handle = pq.ParquetFile(self._source(file), metadata=handle.metadata)  # closed when dropped
-            table = read_columns(handle, int(self._group_local[group]), self.columns)
+            table = read_columns(handle, int(self._group_local[group]), self.columns, self._leaf_roots(file))
             table.validate(full=True)  # what to_pylist will trust: offsets in bounds, valid UTF-8
         return table
 
@@ -355,7 +364,8 @@ class ParquetSource(ColumnarRows, PathSource[dict[str, Any]]):
             if group in self._cache:
                 continue
             file = int(self._group_file[group])
-            starts, ends = column_chunk_spans(self._file(file).metadata, int(self._group_local[group]), self.columns)
+            metadata, roots = self._file(file).metadata, self._leaf_roots(file)
+            starts, ends = column_chunk_spans(metadata, int(self._group_local[group]), self.columns, roots)
             if len(starts):
                 self._block_reader(file, remote).read_ahead(starts, ends)
 
@@ -364,6 +374,7 @@ class ParquetSource(ColumnarRows, PathSource[dict[str, Any]]):
         or a block-shuffle window change waits for one row group's decode, not for several."""
         for group in groups:  # open and check the files here, in the calling thread
             self._file(int(self._group_file[group]))
+            self._leaf_roots(int(self._group_file[group]))
         workers = min(len(groups), MAX_DECODE_THREADS)
         with ThreadPoolExecutor(max_workers=workers) as pool:
             tables = list(pool.map(lambda group: self._read_row_group(group, private_handle=True), groups))
@@ -377,17 +388,20 @@ class ParquetSource(ColumnarRows, PathSource[dict[str, Any]]):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state["_metadata"] = [None] * len(self.paths)
+        state["_roots"] = [None] * len(self.paths)
         state["_cache"] = OrderedDict()
         return state
 
 
 def column_chunk_spans(
-    metadata: pq.FileMetaData, row_group: int, columns: Sequence[str] | None
+    metadata: pq.FileMetaData, row_group: int, columns: Sequence[str] | None, roots: list[str] | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """Byte ranges ``(starts, ends)`` of the column chunks of ``row_group`` (of ``columns``, by
-    top-level name; all by default): what decoding it reads."""
+    top-level name; all by default): what decoding it reads. ``roots``: the file's
+    ``leaf_roots``, built from ``metadata`` when not given."""
     group = metadata.row_group(row_group)
-    roots = leaf_roots(metadata.schema.to_arrow_schema())
+    if roots is None:
+        roots = leaf_roots(metadata.schema.to_arrow_schema())
     wanted = None if columns is None or len(roots) != group.num_columns else set(columns)
     starts: list[int] = []
     ends: list[int] = []
@@ -404,11 +418,10 @@ def column_chunk_spans(
     return np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
 
 
-def read_columns(handle: pq.ParquetFile, row_group: int, columns: Sequence[str] | None) -> pa.Table:
+def read_columns(handle: pq.ParquetFile, row_group: int, columns: Sequence[str] | None, roots: list[str]) -> pa.Table:
     """Row group ``row_group`` of the top-level ``columns`` (all by default), in that order. Leaves
-    are chosen by position (``leaf_roots``): pyarrow takes a name as a dotted path too, so
-    ``"a.b"`` would also read field ``b`` of a struct ``a``."""
-    roots = leaf_roots(handle.schema_arrow)
+    are chosen by position (``roots``, the file's ``leaf_roots``): pyarrow takes a name as a
+    dotted path too, so ``"a.b"`` would also read field ``b`` of a struct ``a``."""
     if columns is None or len(roots) != handle.metadata.num_columns or not set(columns) <= set(roots):
         return handle.read_row_group(row_group, columns=columns)  # pyarrow's own, and its error for a missing one
     wanted = set(columns)

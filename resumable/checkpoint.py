@@ -8,26 +8,26 @@ Each target has one temporary, ``.NAME.partial`` beside it, which its writer hol
 (``flock``) until the rename. A save that finds it unlocked knows its writer died and removes
 it first, so a crash never leaves more than one behind, and only until the next save; a save
 that finds it locked waits its turn. The lock lives with the open file, so the kernel drops it
-whenever its writer dies. Where the file system has no locks, each save writes a temporary of
-its own (``.NAME.<random>.partial``) and crashed saves' temporaries stay.
+whenever its writer dies (a process forked meanwhile closes its copy: ``_file_locks``). Where
+the file system has no locks, each save writes a temporary of its own
+(``.NAME.<random>.partial``) and crashed saves' temporaries stay.
 """
 
 from __future__ import annotations
 
 import errno
-import fcntl
 import hashlib
 import json
 import os
 import secrets
 from typing import IO, Any, Callable
 
+from resumable._file_locks import close_lock, lock, open_for_lock
 from resumable.core.state import check_json
 from resumable.errors import StateError
 
 TEMP_SUFFIX = ".partial"
 NEW_FILE_MODE = 0o666  # what the umask leaves of it, as for open() and torch.save
-NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS}  # flock's errors where the file system has no locks
 
 
 def write_atomically(path: str | os.PathLike[str], write: Callable[[IO[bytes]], object]) -> None:
@@ -52,7 +52,7 @@ def write_atomically(path: str | os.PathLike[str], write: Callable[[IO[bytes]], 
         os.unlink(temp)
         raise
     finally:
-        os.close(handle)
+        close_lock(handle)
     _fsync_directory(directory)
 
 
@@ -69,7 +69,7 @@ def _claim_temp(directory: str, name: str) -> tuple[int, str]:
             handle, created = _create(temp), True
         except FileExistsError:
             try:  # only to lock it; a symbolic link is never a save's temporary
-                handle, created = os.open(temp, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW), False
+                handle, created = open_for_lock(temp, os.O_RDONLY | os.O_NOFOLLOW), False
             except FileNotFoundError:
                 continue  # renamed into place or removed meanwhile
             except OSError as error:
@@ -78,31 +78,19 @@ def _claim_temp(directory: str, name: str) -> tuple[int, str]:
                 os.unlink(temp)  # the link itself (dangling or not), never what it names
                 continue
         try:
-            locked = _lock(handle)
+            locked = lock(handle)  # waits while another save of the target writes
             if locked and _is_at(handle, temp):
                 if created:
                     return handle, temp
                 os.unlink(temp)  # left by a writer that died: a live one would hold the lock
         except BaseException:
-            os.close(handle)  # never left open and locked: the next save of this target would wait for ever
+            close_lock(handle)  # never left open and locked: the next save of this target would wait for ever
             raise
-        os.close(handle)
+        close_lock(handle)
         if not locked:  # a file system without locks
             if created:
                 os.unlink(temp)
             return _claim_unique_temp(directory, name)
-
-
-def _lock(handle: int) -> bool:
-    """Lock ``handle`` for this save, waiting while another save of the target writes; False
-    where the file system has no locks."""
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-    except OSError as error:
-        if error.errno not in NO_LOCKS:
-            raise
-        return False
-    return True
 
 
 def _temp_name(directory: str, name: str, unique: str) -> str:
@@ -131,7 +119,7 @@ def _claim_unique_temp(directory: str, name: str) -> tuple[int, str]:
 
 
 def _create(path: str) -> int:
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, NEW_FILE_MODE)
+    return open_for_lock(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, NEW_FILE_MODE)
 
 
 def _is_at(handle: int, path: str) -> bool:

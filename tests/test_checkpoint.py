@@ -18,7 +18,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import resumable as rs
-import resumable.checkpoint
+import resumable._file_locks
 import resumable.torch as rst
 from resumable.checkpoint import write_atomically
 from tests.resume import take
@@ -245,7 +245,7 @@ def test_without_file_locks_saves_use_their_own_temporaries(tmp_path: Path, monk
     def no_locks(handle: int, operation: int) -> None:
         raise OSError(errno.ENOLCK, "No locks available")
 
-    monkeypatch.setattr(resumable.checkpoint.fcntl, "flock", no_locks)
+    monkeypatch.setattr(resumable._file_locks.fcntl, "flock", no_locks)
     (tmp_path / ".c.partial").write_bytes(b"maybe a live writer's: cannot tell without locks")
     rs.save_state({"step": 1}, tmp_path / "c")
     assert rs.load_state(tmp_path / "c") == {"step": 1}

@@ -594,11 +594,6 @@ def _read_filter(path: str, directory: str) -> dict[str, Any]:
     return {"records": list(node), "scanned": node.scanned}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a valid kept-positions sidecar in a read-only cache_dir is ignored (the lock file is "
-    "opened for writing first): every job scans the whole upstream again and warns",
-)
 def test_a_filter_index_built_ahead_in_a_read_only_directory_is_used(
     open_dir: Path, unprivileged: Callable[..., Child]
 ) -> None:
@@ -714,11 +709,6 @@ def _rewrite_in_place(path: str, label: str) -> None:
     Path(path).write_text("\n".join(lines) + "\n")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: chunk-cache keys of objects without an ETag omit the mtime: a later job reads a "
-    "file's old blocks after it was rewritten with the same size and edges",
-)
 def test_a_later_job_never_reads_old_blocks_of_a_rewritten_file_from_the_shared_chunk_cache(tmp_path: Path) -> None:
     """Job one reads an object through the machine's chunk cache; the object is then rewritten
     (new mtime) with the same size, changed only in its middle; job two, sharing the cache dir,
@@ -737,11 +727,6 @@ def test_a_later_job_never_reads_old_blocks_of_a_rewritten_file_from_the_shared_
     assert [r["label"] for r in second][2000:2010] == ["dog"] * 10
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: the check after each fetch compares size and edge digest, not the mtime, of objects "
-    "without an ETag: a file rewritten mid-run is read on, mixing its new records with the old index",
-)
 def test_a_file_rewritten_during_the_run_is_a_source_error_not_its_new_records(tmp_path: Path) -> None:
     """A job reads half of an object (a filesystem without ETags, no disk tier); another process
     rewrites it with a new mtime, the same size and the same first and last 64 KiB: the next
@@ -817,11 +802,6 @@ def _fork_mid_save_then_wait_for_another(target: str) -> bool:
     return finished
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a process forked while a save holds its temporary's flock inherits the lock: another "
-    "save of the same file waits until that process exits",
-)
 def test_a_process_forked_mid_save_does_not_hold_up_another_save(tmp_path: Path) -> None:
     """Another save of the same file that waits for a save in progress goes on once that one is
     renamed, whatever processes were forked from the first meanwhile."""

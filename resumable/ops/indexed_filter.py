@@ -23,8 +23,6 @@ shard go after the filter (sources, serial maps, caches and other indexed filter
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import functools
 import hashlib
 import json
@@ -39,8 +37,9 @@ import numpy as np
 import xxhash
 from tqdm import tqdm
 
+from resumable._file_locks import held
 from resumable._worker_signals import init_pool_worker
-from resumable.checkpoint import NO_LOCKS, write_atomically
+from resumable.checkpoint import write_atomically
 from resumable.core.indexed import MAX_CHUNK, IndexedNode, read_ahead_failure
 from resumable.core.options import directory_option, flag_option, int_option
 from resumable.errors import ConfigError, SourceError
@@ -190,23 +189,6 @@ def _context() -> multiprocessing.context.BaseContext:
     return multiprocessing.get_context(method)
 
 
-@contextlib.contextmanager
-def _locked(path: str) -> Iterator[None]:
-    """Hold an exclusive lock on ``path`` (created if missing): one process builds a sidecar
-    while the others wait, then find it built. Where the file system has no locks, every
-    process builds and the last rename wins (they write the same bytes)."""
-    handle = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
-    try:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        except OSError as error:
-            if error.errno not in NO_LOCKS:
-                raise
-        yield
-    finally:
-        os.close(handle)  # drops the lock
-
-
 class IndexedFilter(IndexedNode[T]):
     """Position ``i`` is the ``i``-th upstream position ``predicate`` keeps; random access.
 
@@ -280,9 +262,8 @@ class IndexedFilter(IndexedNode[T]):
         sidecar = self.sidecar
         if sidecar is None:
             return self._remember(self._scan_all(), None, mapped=False)
-        try:
-            os.makedirs(os.path.dirname(sidecar), exist_ok=True)
-            with _locked(_beside(sidecar, ".lock")):
+        try:  # one process builds it while the others wait; without a lock (read-only), each loads or builds
+            with held(_beside(sidecar, ".lock")):
                 loaded = self._load_sidecar(sidecar)
                 if loaded is not None:
                     return loaded

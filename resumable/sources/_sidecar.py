@@ -10,13 +10,11 @@ each block the first time it is used. Writes are atomic, so readers never see a 
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import os
 import struct
 import warnings
-from typing import IO, TYPE_CHECKING, Iterator, NamedTuple
+from typing import IO, TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -139,24 +137,6 @@ def remote_cache_path(url: str, edge_digest: str, cache_dir: str | None) -> str:
 def _readable(name: str) -> str:
     """The first ``CACHE_NAME_BYTES`` bytes of ``name``, cut at a character boundary."""
     return os.fsencode(name)[:CACHE_NAME_BYTES].decode("utf-8", "ignore")
-
-
-@contextlib.contextmanager
-def locked(sidecar: str) -> Iterator[None]:
-    """Hold an exclusive lock on ``sidecar + LOCK_SUFFIX`` (created, directories included): the
-    processes of a machine that need the same missing sidecar build it one at a time, and the
-    ones that wait find it built. Without a writable directory, no lock (each builds)."""
-    try:
-        os.makedirs(os.path.dirname(sidecar), exist_ok=True)
-        handle = os.open(sidecar + LOCK_SUFFIX, os.O_RDWR | os.O_CREAT, 0o666)
-    except OSError:
-        yield
-        return
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(handle)
 
 
 def pack_header(index: LineIndex) -> bytes:

@@ -171,7 +171,7 @@ class BlockReader:
         self.size = info.size
         self.kind = kind
         self.width = blocks.options.block_bytes
-        identity = f"{name}\0{info.size}\0{info.version}\0{self.width}"
+        identity = f"{name}\0{info.size}\0{info.bytes_key}\0{self.width}"
         self.key = xxhash.xxh3_128_hexdigest(identity.encode())
         self.info = info
         self._handle = handle
@@ -312,11 +312,11 @@ class BlockReader:
         under the old version's key. A HEAD per ranged read; reading from the tiers costs none."""
         now, handle = self.remote.head(self.name, self.kind)
         handle.close()
-        opened = (self.info.version, self.info.size)
-        if (now.version, now.size) != opened:  # the same ETag put back later is the same bytes
+        opened = (self.info.bytes_key, self.info.size)
+        if (now.bytes_key, now.size) != opened:  # the same ETag put back later is the same bytes
             raise SourceError(
                 f"{self.kind}: {self.name!r} changed during the run (opened as {opened[0]}, {opened[1]} bytes, "
-                f"now {now.version}, {now.size} bytes); {REMEDY}"
+                f"now {now.bytes_key}, {now.size} bytes); {REMEDY}"
             )
 
     def _settle(

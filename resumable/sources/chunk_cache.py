@@ -36,7 +36,6 @@ than the others trims the shared directory to its own bound.
 
 from __future__ import annotations
 
-import fcntl
 import os
 import re
 import secrets
@@ -48,6 +47,7 @@ from typing import NamedTuple
 
 import xxhash
 
+from resumable._file_locks import close_lock, lock, open_for_lock
 from resumable.core.options import is_int
 from resumable.errors import ConfigError
 
@@ -233,10 +233,10 @@ class ChunkCache:
     def _sweep(self) -> None:
         """Evict least recently used blocks down to ``SWEEP_TARGET * max_bytes`` and remove stale
         temp files, unless another process is sweeping."""
-        lock = os.open(os.path.join(self.directory, LOCK_NAME), os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
+        handle = open_for_lock(os.path.join(self.directory, LOCK_NAME), os.O_RDONLY | os.O_CREAT, FILE_MODE)
         try:
             try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                lock(handle, wait=False)
             except BlockingIOError:
                 return  # another process is sweeping; this one tries again at its next put
             entries, total, freed = self._scan()
@@ -250,7 +250,7 @@ class ChunkCache:
                     freed += entry.size if _unlink(entry.path) else 0
                     total -= entry.size
         finally:
-            os.close(lock)  # releases the flock
+            close_lock(handle)  # releases the flock
         with self._lock:
             self._stats[EVICTED_BYTES] += freed
             self._stats[SWEEPS] += 1

@@ -32,6 +32,7 @@ import numpy.typing as npt
 import pyarrow as pa
 import xxhash
 
+from resumable._file_locks import held
 from resumable.errors import ConfigError, SourceError
 from resumable.sources import _sidecar
 from resumable.sources._line_scan import UTF8_BOM, Scanner
@@ -193,7 +194,7 @@ class LineIndex:
         sidecar = _sidecar.remote_cache_path(url, info.version, cache_dir)
         loaded = cls._load(url, sidecar, info.size, info.mtime_ns)
         if loaded is None:
-            with _sidecar.locked(sidecar):
+            with held(sidecar + _sidecar.LOCK_SUFFIX):  # the machine's processes build it once
                 loaded = cls._load(url, sidecar, info.size, info.mtime_ns)  # built by another process meanwhile
                 if loaded is None:
                     loaded = cls.build_remote(remote, url, info, handle, kind)

@@ -89,6 +89,13 @@ class ObjectInfo(NamedTuple):
     version: str
     """``etag:<ETag>`` where the store reports one (S3), else ``edge:<edge digest>``."""
 
+    @property
+    def bytes_key(self) -> str:
+        """What identifies the object's bytes, for the blocks cached from it and the check after
+        each fetch: its ETag; else its edge digest with its modification time (a rewrite of the
+        middle of a file keeps its size and edges)."""
+        return self.version if self.version.startswith(ETAG_PREFIX) else f"{self.version}@{self.mtime_ns}"
+
 
 Head = tuple[ObjectInfo, pa.NativeFile]
 """What ``Remote.head`` returns: an object's ``ObjectInfo`` and an open file over it."""

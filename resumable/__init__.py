@@ -17,7 +17,17 @@ from resumable import nodes
 from resumable.checkpoint import load_state, save_state
 from resumable.core.indexed import IndexedNode
 from resumable.core.node import Node
-from resumable.errors import ConfigError, MapError, ResumableError, SourceError, StateError
+from resumable.errors import (
+    CacheWarning,
+    ChunkCacheWarning,
+    ConfigError,
+    MapError,
+    ResumableError,
+    ResumableWarning,
+    SidecarWarning,
+    SourceError,
+    StateError,
+)
 from resumable.ops.mix import mix
 from resumable.order.topology import Topology
 from resumable.sources.arrow import arrow, from_hf
@@ -29,11 +39,15 @@ from resumable.sources.stream import jsonl_stream
 __version__ = "0.1.0"
 
 __all__ = [
+    "CacheWarning",
+    "ChunkCacheWarning",
     "ConfigError",
     "IndexedNode",
     "MapError",
     "Node",
     "ResumableError",
+    "ResumableWarning",
+    "SidecarWarning",
     "SourceError",
     "StateError",
     "Topology",

@@ -21,6 +21,25 @@ class StateError(ResumableError):
     """A state does not belong to this pipeline: other node kind, version, options or files."""
 
 
+class ResumableWarning(UserWarning):
+    """Base class of every warning resumable issues: a file it keeps beside the data or in a
+    cache directory cannot be used, and it goes on without (``warnings.filterwarnings`` can
+    silence or raise them all)."""
+
+
+class SidecarWarning(ResumableWarning):
+    """A sidecar could not be used: none was writable (the index lives in memory and is rebuilt
+    next time), or one was corrupt (it was rebuilt)."""
+
+
+class CacheWarning(ResumableWarning):
+    """The cache directory cannot be written: records are cached in memory only."""
+
+
+class ChunkCacheWarning(ResumableWarning):
+    """The chunk cache directory cannot be written: this process reads without the disk tier."""
+
+
 class MapError(ResumableError):
     """A function given to the pipeline (a map's ``fn``, a filter's predicate, a batch's
     ``collate_fn``) raised on a record where its exception cannot reach the caller as it is: in

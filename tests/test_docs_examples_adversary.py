@@ -225,11 +225,6 @@ def test_documented_signature(where: str, fn: Callable[..., Any], documented: st
         assert by_name[name].default == default, f"{where}: {fn.__qualname__}({name}=...) default"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: Node.filter on a node that is not indexed lacks the documented batched= option: "
-    "filter(f, batched=True) is a TypeError there, not the ConfigError docs/filter.md promises",
-)
 def test_filter_takes_batched_on_every_node() -> None:
     """docs/filter.md: ``node.filter(predicate, index=False, ..., batched=False)``; without
     ``index=True`` "the other options are unused, and ``batched=True`` is a ``ConfigError``"."""
@@ -783,23 +778,22 @@ def test_sources_md_streaming_jsonl(tmp_path: Path) -> None:
     assert rs.jsonl_stream(every).skipped == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: .even() takes an epoch's length from len(), which counts the malformed lines a "
-    "source with on_error='skip' never yields, and raises SourceError at the epoch's end",
-)
 def test_even_over_a_source_that_skips_malformed_lines(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """README: ``len(pipe)`` is what the epoch yields, ``.even()`` runs on it, and
-    ``on_error="skip"`` skips a bad line (counted). Together, the even epoch should be the
-    upstream's: 3 batches of the 9 good records."""
+    """docs/torch.md: ``len()`` of a source read with ``on_error="skip"`` counts its malformed
+    lines, so ``.even()`` over it ends short with a SourceError naming the source and the
+    remedies; ``.filter(..., index=True)`` after the source gives the exact length, and the even
+    epoch is then the upstream's: 3 batches of the 9 good records."""
     path = tmp_path / "a.jsonl"
     path.write_text("".join(json.dumps({"i": i}) + "\n" if i != 4 else "bad\n" for i in range(10)))
+    with pytest.raises(rs.SourceError, match=r"JsonlSource.*on_error='skip'.*index=True"):
+        list(rs.jsonl(str(path), on_error="skip").shuffle(0).shard().batch(3).even(times=1))
 
     def build() -> rs.Node:
-        return rs.jsonl(str(path), on_error="skip").shuffle(0).shard().batch(3)
+        indexed = rs.jsonl(str(path), on_error="skip").filter(bool, index=True, progress=False)
+        return indexed.shuffle(0).shard().batch(3)
 
     expected = list(build())
-    assert len(expected) == 3
+    assert len(expected) == 3 and sorted(r["i"] for batch in expected for r in batch) == [0, 1, 2, 3, 5, 6, 7, 8, 9]
     assert list(build().even(times=1)) == expected
 
 
@@ -1081,11 +1075,6 @@ def test_packing_md_length_epochs_and_errors() -> None:
             list(rs.from_list([{"input_ids": [1]}] * 3 + [record]).pack(8, strategy="greedy"))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: docs/packing.md says a bad record's error names it as 'record (epoch 0, position 17)' "
-    "but the packer names the leaf record index: 'record (epoch 0, record 17)'",
-)
 def test_packing_md_error_example_matches_the_message() -> None:
     example = re.search(r"e\.g\. `(record \(epoch \d+, \w+ \d+\))`", page("docs/packing.md"))
     assert example is not None
@@ -1277,11 +1266,6 @@ def test_inspect_shows_the_components_of_a_mix(tmp_path: Path, capsys: Any) -> N
     assert "component b: Shuffle > FromList, epoch 0, position 1 of 2" in out
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: docs/mixing.md says `python -m resumable inspect` does not descend into a mix's "
-    "components, but it does: it prints each component's chain and position",
-)
 def test_mixing_md_not_covered_list_is_current() -> None:
     stale = re.search(r"does not descend into a mix's\s+`components`", page("docs/mixing.md"))
     assert stale is None
@@ -1722,11 +1706,6 @@ def test_torch_md_shutdown_and_plain_dataloader() -> None:
     dataset.set_epoch(np.int64(2))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: PipelineDataset.set_epoch accepts an epoch past 2**62 at the call; the ConfigError "
-    "comes only when a pass iterates (inside a worker), where start_epoch refuses it",
-)
 def test_set_epoch_refuses_an_epoch_past_the_last_at_the_call() -> None:
     """docs/torch.md: ``set_epoch`` "refuses anything else at the call"; docs/state.md: epochs
     run to 2^62, ``start_epoch`` past it is a ``ConfigError``."""

@@ -40,3 +40,22 @@ def fail_on_two(x: int) -> int:
     if x == 2:
         raise ValueError("record 2 is broken")
     return x
+
+
+def test_every_warning_class_of_the_package_is_an_exported_resumable_warning() -> None:
+    """A user silences or raises every warning of the library with one filter on
+    ``rs.ResumableWarning``: each warning class defined anywhere in the package derives from it
+    and is exported as ``rs.<name>``."""
+    import importlib
+    import pkgutil
+
+    found = set()
+    for module_info in pkgutil.walk_packages(rs.__path__, "resumable."):
+        if module_info.name.startswith("resumable.torch") or module_info.name.endswith("__main__"):
+            continue  # imports torch, or runs the command line; defines no warning
+        module = importlib.import_module(module_info.name)
+        for value in vars(module).values():
+            if isinstance(value, type) and issubclass(value, Warning) and value.__module__.startswith("resumable"):
+                found.add(value)
+    assert found == {rs.ResumableWarning, rs.SidecarWarning, rs.CacheWarning, rs.ChunkCacheWarning}
+    assert all(issubclass(kind, rs.ResumableWarning) and getattr(rs, kind.__name__) is kind for kind in found)

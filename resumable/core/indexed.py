@@ -496,9 +496,7 @@ class IndexedNode(Node[T]):
         jobs; change ``index_key`` whenever the predicate's meaning changes. With ``batched``,
         ``predicate`` takes a list of records and returns one bool per record (index only)."""
         if not flag_option(self.kind, "index", index):
-            if batched:
-                raise ConfigError(f"{self.kind}: filter(batched=True) needs index=True")
-            return super().filter(predicate)
+            return super().filter(predicate, batched=batched)
         from resumable.ops.indexed_filter import IndexedFilter
 
         return IndexedFilter(

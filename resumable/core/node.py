@@ -566,11 +566,15 @@ class Node(Generic[T]):
         cache_dir: str | None = None,
         num_proc: int = 0,
         progress: bool = True,
+        batched: bool = False,
     ) -> Node[T]:
         """Keep the items for which ``predicate`` is true, as they stream past. With ``index``,
-        scan a random-access upstream once and keep random access (see ``IndexedNode.filter``)."""
+        scan a random-access upstream once and keep random access (see ``IndexedNode.filter``;
+        ``batched`` predicates too)."""
         if flag_option(self.kind, "index", index):
             raise self._not_indexed("filter(index=True)")
+        if flag_option(self.kind, "batched", batched):
+            raise ConfigError(f"{self.kind}: filter(batched=True) needs index=True")
         from resumable.ops.filter import Filter
 
         return Filter(self, predicate)

@@ -37,7 +37,7 @@ import numpy as np
 from resumable.core.indexed import IndexedNode
 from resumable.core.node import Node
 from resumable.core.options import directory_option, int64_option, int_option
-from resumable.errors import ConfigError, SourceError, stop_error
+from resumable.errors import CacheWarning, ConfigError, SourceError, stop_error
 from resumable.ops import disk_cache
 
 T = TypeVar("T")
@@ -77,10 +77,6 @@ def _unwrap(record: Any) -> Any:
     if type(record) is _Failed:
         raise record.error
     return record
-
-
-class CacheWarning(UserWarning):
-    """The cache directory cannot be written: records are cached in memory only."""
 
 
 def record_size(value: Any, depth: int = 0) -> int:

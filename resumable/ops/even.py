@@ -222,6 +222,17 @@ class Even(Node[Any]):
 
     # -- iteration ----------------------------------------------------------------------------
 
+    def _why_short(self) -> str:
+        """What an upstream that ended short holds that makes its ``len()`` an upper bound."""
+        skipping = [node for node in self.upstream._subtree() if getattr(node, "skips_malformed", False)]
+        if not skipping:
+            return ""
+        return (
+            f": {skipping[0]!r} skips malformed records (on_error='skip'), which its len() counts; .even() needs the "
+            "length an epoch yields, so read it with on_error='raise', or index what parses once with "
+            ".filter(predicate, index=True) right after it (its len() is exact)"
+        )
+
     def _next(self) -> Any:
         quota = self._quota
         if quota is None:
@@ -241,7 +252,7 @@ class Even(Node[Any]):
             except StopIteration:
                 if self._started >= self._counted:
                     raise SourceError(
-                        f"{self.kind}: {upstream!r} ended after fewer items than its len() said"
+                        f"{self.kind}: {upstream!r} ended after fewer items than its len() said{self._why_short()}"
                     ) from None
                 upstream.next_epoch()
                 self._started += 1

@@ -42,9 +42,8 @@ from resumable._worker_signals import init_pool_worker
 from resumable.checkpoint import write_atomically
 from resumable.core.indexed import MAX_CHUNK, IndexedNode, read_ahead_failure
 from resumable.core.options import directory_option, flag_option, int_option
-from resumable.errors import ConfigError, SourceError
+from resumable.errors import ConfigError, SidecarWarning, SourceError
 from resumable.ops.cache import _function_fingerprint, fingerprint
-from resumable.sources._sidecar import SidecarWarning
 
 T = TypeVar("T")
 

@@ -21,6 +21,7 @@ import numpy.typing as npt
 import xxhash
 
 from resumable.checkpoint import write_atomically
+from resumable.errors import SidecarWarning
 from resumable.sources._line_scan import UTF8_BOM
 from resumable.sources.open_files import MappedFile
 
@@ -59,11 +60,6 @@ or a random read pays almost nothing, and the checksums add 0.1% to the sidecar.
 def checksum(data: bytes | memoryview) -> int:
     """XXH3-64 of a contiguous buffer: the sidecar header, or a block of offsets."""
     return xxhash.xxh3_64_intdigest(data)
-
-
-class SidecarWarning(UserWarning):
-    """A sidecar could not be used: none was writable (the index lives in memory and is rebuilt
-    next time), or one was corrupt (it was rebuilt)."""
 
 
 class CorruptSidecar(Exception):

@@ -49,7 +49,7 @@ import xxhash
 
 from resumable._file_locks import close_lock, lock, open_for_lock
 from resumable.core.options import is_int
-from resumable.errors import ConfigError
+from resumable.errors import ChunkCacheWarning, ConfigError
 
 SWEEP_FRACTION = 0.05
 """A process sweeps after writing this fraction of ``max_bytes`` since its last sweep."""
@@ -79,10 +79,6 @@ WRITTEN_BYTES = "written_bytes"
 EVICTED_BYTES = "evicted_bytes"
 SWEEPS = "sweeps"
 STATS = (HITS, MISSES, DAMAGED, WRITTEN_BYTES, EVICTED_BYTES, SWEEPS)
-
-
-class ChunkCacheWarning(UserWarning):
-    """The chunk cache directory cannot be written: this process reads without the disk tier."""
 
 
 class _Entry(NamedTuple):

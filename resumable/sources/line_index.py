@@ -33,10 +33,10 @@ import pyarrow as pa
 import xxhash
 
 from resumable._file_locks import held
-from resumable.errors import ConfigError, SourceError
+from resumable.errors import ConfigError, SidecarWarning, SourceError
 from resumable.sources import _sidecar
 from resumable.sources._line_scan import UTF8_BOM, Scanner
-from resumable.sources._sidecar import SIDECAR_SUFFIX, SidecarWarning
+from resumable.sources._sidecar import SIDECAR_SUFFIX
 from resumable.sources.blocks import fetch_pool
 from resumable.sources.files import REMEDY, reading
 from resumable.sources.open_files import MappedFile

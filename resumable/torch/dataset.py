@@ -14,6 +14,7 @@ from torch.utils.data import IterableDataset, default_convert, get_worker_info
 
 from resumable.core.node import Node
 from resumable.core.options import int_option
+from resumable.core.state import MAX_EPOCH
 from resumable.errors import ConfigError, ResumableError, StateError, stop_error
 from resumable.loader_state import PASS_EPOCH, PIPELINE
 from resumable.ops.even import StoreRef, default_store, inherit_store, new_namespace
@@ -223,7 +224,7 @@ class PipelineDataset(IterableDataset[Any]):
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch the next ``iter()`` starts (in every worker); also re-reads the rank."""
-        self.epoch = int_option("PipelineDataset", "epoch", epoch, least=0)
+        self.epoch = int_option("PipelineDataset", "epoch", epoch, least=0, most=MAX_EPOCH)
         self._told += 1
         self.rank = distributed_rank()
         self.store = self._store()

@@ -10,6 +10,7 @@ only its own options and counters. Nodes with random access derive from
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 from typing import (
@@ -621,6 +622,14 @@ class Node(Generic[T]):
             "batch, pack, repeat, mix, prefetch and a parallel map do); place it before filter, batch and pack, "
             f"and before {self.kind}"
         )
+
+    def __copy__(self) -> Node[T]:
+        """A copy that reads on from where this node stands, by itself. A node read item by item
+        moves its upstream, so a copy sharing its nodes would split the records with the original
+        (and a read-ahead's two readers would run on one upstream): the copy is whole, as
+        ``copy.deepcopy`` or a pickled copy is. An indexed node's copy shares its upstream,
+        which it reads by position (``IndexedNode.__copy__``)."""
+        return copy.deepcopy(self)
 
     def __repr__(self) -> str:
         chain = []

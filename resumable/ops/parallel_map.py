@@ -160,12 +160,15 @@ _worker_fn: Callable[[Any], Any] = _no_function
 _worker_batched = False
 
 
-def _install_fn(fn: Callable[[Any], Any], batched: bool) -> None:
-    """Pool initializer: keep ``fn`` for every task of this worker process (which leaves Ctrl-C
-    to the trainer and dies with it: ``init_pool_worker``)."""
+def _install_fn(pickled_fn: bytes, batched: bool) -> None:
+    """Pool initializer: keep the function pickled in ``pickled_fn`` for every task of this
+    worker process (which leaves Ctrl-C to the trainer and dies with it: ``init_pool_worker``).
+    The pool keeps its initializer's arguments for the workers it starts later: as bytes they
+    hold no reference to the function, which may refer back to whatever holds the pipeline (a
+    method of the trainer), so a dropped pipeline is still collected and its pool stopped."""
     global _worker_fn, _worker_batched
     init_pool_worker()
-    _worker_fn, _worker_batched = fn, batched
+    _worker_fn, _worker_batched = pickle.loads(pickled_fn), batched
 
 
 def _map_in_worker(items: list[Any]) -> Outcome:
@@ -300,17 +303,21 @@ class ParallelMap(ReadAhead[U]):
         batched = flag_option(self.kind, "batched", batched)
         self.num_workers = int_option(self.kind, NUM_WORKERS, num_workers)
         mode = choice_option(self.kind, "mode", mode, MODES)
-        if mode == PROCESS:
-            try:
-                pickle.dumps(fn)
-            except Exception as error:  # noqa: BLE001 - any pickling failure means the same
-                raise ConfigError(
-                    f"{self.kind}: mode='process' needs a picklable fn (a module-level function, "
-                    f"not a lambda or closure); {fn!r} cannot be pickled: {error}"
-                ) from error
         self.fn = fn
         self.mode = mode
         self.batched = batched
+        if mode == PROCESS:
+            self._pickled_fn()
+
+    def _pickled_fn(self) -> bytes:
+        """``fn`` pickled, as a process pool's workers receive it; a ConfigError if it cannot be."""
+        try:
+            return pickle.dumps(self.fn)
+        except Exception as error:  # noqa: BLE001 - any pickling failure means the same
+            raise ConfigError(
+                f"{self.kind}: mode='process' needs a picklable fn (a module-level function, "
+                f"not a lambda or closure); {self.fn!r} cannot be pickled: {error}"
+            ) from error
 
     def _fresh_reader(self) -> None:
         super()._fresh_reader()
@@ -443,7 +450,10 @@ class ParallelMap(ReadAhead[U]):
                 _preload_in_forkserver()
                 context = multiprocessing.get_context(PROCESS_START_METHOD)
                 pool = ProcessPoolExecutor(
-                    self.num_workers, mp_context=context, initializer=_install_fn, initargs=(self.fn, self.batched)
+                    self.num_workers,
+                    mp_context=context,
+                    initializer=_install_fn,
+                    initargs=(self._pickled_fn(), self.batched),
                 )
             self._pool = pool
             self._finalizer = weakref.finalize(self, _stop_pool, pool, name)

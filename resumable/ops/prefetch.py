@@ -37,11 +37,13 @@ _END = 2
 
 
 class _Producer:
-    """One run of the background thread. Holds no reference to the Prefetch node, so that an
-    abandoned node is garbage-collected and its finalizer can stop the thread."""
+    """One run of the background thread. Holds no reference to the Prefetch node, and between
+    items none to its upstream, so that an abandoned node is garbage-collected and its finalizer
+    can stop the thread, even where the upstream refers back to whatever holds the node (a map
+    whose function is a method of the trainer that holds the pipeline)."""
 
     def __init__(self, upstream: Node[Any], buffer_size: int, lock: threading.Lock, name: str) -> None:
-        self.upstream = upstream
+        self.upstream = weakref.ref(upstream)
         self.queue: queue.Queue[tuple[int, Any, Mark, RecordKey | None]] = queue.Queue(buffer_size)
         self.stop_event = threading.Event()
         self.error_taken = threading.Event()  # the consumer took the error last put
@@ -50,8 +52,11 @@ class _Producer:
         self.thread.start()
 
     def _run(self) -> None:
-        upstream, lock = self.upstream, self.lock
+        lock = self.lock
         while not self.stop_event.is_set():
+            upstream = self.upstream()
+            if upstream is None:
+                return  # the pipeline was collected
             with lock:
                 try:
                     item = next(upstream)
@@ -62,6 +67,7 @@ class _Producer:
                     item, tag = error, _ERROR
                 mark = upstream._mark()
                 key = upstream.last_key()
+            del upstream  # while waiting for room in the queue
             if tag != _ERROR:
                 if not self._put((tag, item, mark, key)) or tag == _END:
                     return

@@ -5,6 +5,7 @@ import json
 import multiprocessing
 import os
 import pickle
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 import resumable as rs
-from resumable.ops.cache import _MISSING, LRU, Cache, CacheWarning, cache, record_size
+from resumable.ops.cache import _MISSING, LRU, Cache, CacheWarning, cache
 from resumable.ops.disk_cache import block_name
 from tests.resume import check_resume, take
 
@@ -86,11 +87,19 @@ def test_memory_cache_is_bounded_and_evicts_least_recent() -> None:
     assert counter.calls == 2 * N  # max_bytes=0 caches nothing, results are unchanged
 
 
-def test_record_size_estimates() -> None:
-    assert record_size(np.zeros(100, dtype=np.int32)) >= 400
-    assert record_size("x" * 1000) >= 1000 and record_size(b"y" * 500) >= 500
-    nested = {"a": [np.zeros(10, dtype=np.int64), "abc"], "b": 3}
-    assert record_size(nested) > record_size(np.zeros(10, dtype=np.int64)) + 3
+def test_memory_cache_estimates_sizes_and_hands_out_new_objects() -> None:
+    lru = LRU(max_bytes=1 << 20)
+    record = {"ids": np.arange(100, dtype=np.int32), "text": "x" * 1000, "nested": [[1, 2], {"a": [3]}]}
+    lru.put(0, record)
+    assert 1400 <= lru.bytes <= 2200  # 400 + 1000 bytes of data and the objects' overhead
+    record["nested"][1]["a"].append(4)  # the computed record edited after it was kept
+    assert lru.get(0)["nested"] == [[1, 2], {"a": [3]}]
+    first, second = lru.get(0), lru.get(0)
+    assert first is not record and first is not second and first["ids"] is not second["ids"]
+    first["ids"] += 1
+    assert np.array_equal(lru.get(0)["ids"], record["ids"])
+    with pytest.raises(rs.ConfigError, match=r"Cache: the record at position 7 cannot be kept in memory"):
+        lru.put(7, {"lock": threading.Lock()})
 
 
 # -- on disk ----------------------------------------------------------------------------------

@@ -20,8 +20,6 @@ last item of the first epoch and those around it, the last item of the run, afte
 the README says it is known, a refused ``set_state`` (corrupted states, entry by entry) raises
 only the library's typed errors and leaves the pipeline as it was, also right after the end of
 an epoch and with a thread pool's records in flight.
-
-Tests marked ``xfail(strict=True)`` are bugs this file found.
 """
 
 from __future__ import annotations
@@ -438,11 +436,6 @@ def with_ids(record: Any) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("compared", ["epoch-2-with-epoch-1", "restored-with-uninterrupted"])
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: the in-memory cache hands out the object it keeps, so a map after it that edits its record "
-    "in place changes the cache: epoch 2 differs from epoch 1, and from a restored (cold) pipeline",
-)
 def test_a_map_editing_its_record_in_place_after_a_memory_cache_changes_no_later_epoch(compared: str) -> None:
     """docs/cache.md: "cold, warm and half-filled caches produce the same stream"; without the
     cache (or with ``max_bytes=0``) every epoch of this pipeline is the same."""
@@ -473,11 +466,6 @@ LIST_VALUES = {
 
 
 @pytest.mark.parametrize("value", list(LIST_VALUES), ids=list(LIST_VALUES))
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: the disk cache stores lists by pyarrow's inference without the type checks scalar fields get: "
-    "'b' comes back as b'b', dicts gain the other dicts' keys, tuples become lists, ints floats",
-)
 def test_a_disk_cache_serves_a_list_field_as_computed_or_refuses_it(value: str, tmp_path: Path) -> None:
     """docs/cache.md: "A record that has been cached equals the computed one"; tuples, nested
     dicts and mixed types are refused with a ConfigError when the block is written."""

@@ -23,6 +23,7 @@ cold, warm or half filled, since a cached record equals the computed one.
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import json
@@ -53,6 +54,8 @@ DEFAULT_BLOCK_SIZE = 1024
 FINGERPRINT_CHARS = 32
 OBJECT_OVERHEAD = 64
 """Bytes added per Python object when estimating a record's size."""
+MAX_COPY_DEPTH = 32
+"""Containers nested deeper than this in a record are copied whole (``copy.deepcopy``)."""
 PROBE_POSITIONS = 64
 """Upstream positions compared across two epochs to detect an epoch-dependent order."""
 _MISSING = object()
@@ -79,28 +82,18 @@ def _unwrap(record: Any) -> Any:
     return record
 
 
-def record_size(value: Any, depth: int = 0) -> int:
-    """Estimated bytes held by a record: array buffers, string lengths, containers, recursively."""
-    if isinstance(value, np.ndarray):
-        return value.nbytes + OBJECT_OVERHEAD
-    if isinstance(value, (bytes, bytearray, str)):
-        return len(value) + OBJECT_OVERHEAD
-    if depth < 32:
-        if isinstance(value, dict):
-            items = value.items()
-            return OBJECT_OVERHEAD + sum(record_size(k, depth + 1) + record_size(v, depth + 1) for k, v in items)
-        if isinstance(value, (list, tuple, set, frozenset)):
-            return OBJECT_OVERHEAD + 8 * len(value) + sum(record_size(v, depth + 1) for v in value)
-    return OBJECT_OVERHEAD // 2
-
-
 class LRU:
-    """Records by position, least recently used evicted first, bounded by estimated bytes."""
+    """Records by position, least recently used evicted first, bounded by estimated bytes.
 
-    def __init__(self, max_bytes: int) -> None:
+    Each record is kept as a copy and handed out as a new copy each time (``_survey``): a
+    consumer that edits a record in place (a map writing into it) leaves the cached record as
+    computed, so every epoch, warm or cold, gives the same records, as on disk."""
+
+    def __init__(self, max_bytes: int, owner: str = "Cache") -> None:
         self.max_bytes = max_bytes
+        self.owner = owner
         self.bytes = 0
-        self._items: OrderedDict[int, tuple[Any, int]] = OrderedDict()
+        self._items: OrderedDict[int, tuple[Any, CopyPlan, int]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._items)
@@ -110,20 +103,75 @@ class LRU:
         if item is None:
             return _MISSING
         self._items.move_to_end(position)
-        return item[0]
+        return _copied(item[0], item[1])
 
     def put(self, position: int, record: Any) -> None:
-        size = record_size(record)
+        """Keep a copy of ``record`` unless it alone would pass ``max_bytes``; a ConfigError
+        naming it if it cannot be copied."""
+        size, plan = _survey(record)
         if size > self.max_bytes:
             return
+        try:
+            kept = _copied(record, plan)
+        except Exception as error:  # noqa: BLE001 - whatever deepcopy raises means the same
+            raise ConfigError(
+                f"{self.owner}: the record at position {position} cannot be kept in memory, which keeps a copy of "
+                f"each record (so that one edited after it is handed out stays as computed): {error!r}"
+            ) from error
         old = self._items.pop(position, None)
         if old is not None:
-            self.bytes -= old[1]
-        self._items[position] = (record, size)
+            self.bytes -= old[2]
+        self._items[position] = (kept, plan, size)
         self.bytes += size
         while self.bytes > self.max_bytes:
-            _, (_, evicted) = self._items.popitem(last=False)
+            _, (_, _, evicted) = self._items.popitem(last=False)
             self.bytes -= evicted
+
+
+CopyPlan = Any
+"""How ``_copied`` copies a value: None (immutable: shared), one of the ``_COPY_*`` markers, or
+``(_COPY_DICT, {key: plan})`` / ``(_COPY_LIST, [plan, ...])`` for containers of mutable values."""
+_COPY_SHALLOW = "shallow"  # a list or dict of immutable values: .copy()
+_COPY_ARRAY = "array"
+_COPY_DEEP = "deep"  # anything else: copy.deepcopy
+_COPY_DICT = "dict"
+_COPY_LIST = "list"
+_IMMUTABLE = frozenset({int, float, bool, complex, str, bytes, type(None)})
+
+
+def _survey(value: Any, depth: int = 0) -> tuple[int, CopyPlan]:
+    """A record's estimated bytes (array buffers, string lengths, containers recursively, plus
+    ``OBJECT_OVERHEAD`` per object) and the plan to copy it with, found in one walk: the walk
+    is paid once per record kept, the copies once per record handed out."""
+    kind = type(value)
+    if kind in _IMMUTABLE or isinstance(value, np.generic):
+        return (len(value) if kind is str or kind is bytes else 0) + OBJECT_OVERHEAD // 2, None
+    if kind is np.ndarray:
+        return value.nbytes + OBJECT_OVERHEAD, _COPY_ARRAY
+    if depth < MAX_COPY_DEPTH and (kind is dict or kind is list):
+        items = value.items() if kind is dict else enumerate(value)
+        size, plans = OBJECT_OVERHEAD + 8 * len(value), {}
+        for where, item in items:
+            item_size, plans[where] = _survey(item, depth + 1)
+            size += item_size
+        if all(plan is None for plan in plans.values()):
+            return size, _COPY_SHALLOW
+        return size, (_COPY_DICT, plans) if kind is dict else (_COPY_LIST, list(plans.values()))
+    return OBJECT_OVERHEAD, _COPY_DEEP
+
+
+def _copied(value: Any, plan: CopyPlan) -> Any:
+    """A copy of ``value`` that shares nothing mutable with it, by ``_survey``'s plan."""
+    if plan is None:
+        return value
+    if plan is _COPY_SHALLOW or plan is _COPY_ARRAY:
+        return value.copy()
+    if plan is _COPY_DEEP:
+        return copy.deepcopy(value)
+    kind, plans = plan
+    if kind is _COPY_DICT:
+        return {key: _copied(item, plans[key]) for key, item in value.items()}
+    return [_copied(item, item_plan) for item, item_plan in zip(value, plans)]
 
 
 def _hash_code(code: CodeType, digest: Any) -> None:
@@ -254,7 +302,7 @@ class Cache(IndexedNode[T]):
         self.computed = 0
         self._failures = 0  # records whose computation raised (never stored)
         """Records computed from the upstream by this node (not read from the cache)."""
-        self._memory = LRU(max_bytes)
+        self._memory = LRU(max_bytes, self.kind)
         self._disk: disk_cache.DiskStore | None = None
         if self.directory is not None:
             root = os.path.join(self.directory, self.fingerprint)

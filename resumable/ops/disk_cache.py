@@ -27,7 +27,7 @@ import json
 import os
 import re
 from collections import OrderedDict
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, Union, cast
 
 import numpy as np
 import pyarrow as pa
@@ -50,6 +50,8 @@ PYTHON = "python"  # int, float, bool, str, bytes, None, lists of those -> read 
 
 _PY_TYPES = {bool: pa.bool_(), int: pa.int64(), float: pa.float64(), str: pa.string(), bytes: pa.binary()}
 _PY_TAGS = {python_type.__name__: arrow_type for python_type, arrow_type in _PY_TYPES.items()}
+MAX_LIST_DEPTH = 32
+"""Lists and dicts nested deeper than this in a field are not stored on disk."""
 SKIPPED_KEY = "skipped"
 """Block metadata: offsets of records the source skipped as malformed (none stored for them)."""
 START_KEY = "start"
@@ -58,7 +60,11 @@ another block's name is not served as that block."""
 
 
 class _Skipped:
-    """The stand-in for a record the source skipped as malformed (``on_error="skip"``)."""
+    """The stand-in for a record the source skipped as malformed (``on_error="skip"``); pickled
+    by name, so that it comes back as itself (the in-memory cache keeps records pickled)."""
+
+    def __reduce__(self) -> str:
+        return "SKIPPED"
 
     def __repr__(self) -> str:
         return "<skipped record>"
@@ -99,10 +105,61 @@ def _kind_of(key: str, value: Any) -> tuple[str, str]:
     if type(value) in _PY_TYPES:
         return PYTHON, type(value).__name__
     if type(value) is list:
-        return PYTHON, "list"
+        return PYTHON, "list"  # its elements: _list_column_kind
     if isinstance(value, (tuple, dict)):
         raise _unsupported(key, value, " (tuples and nested dicts do not round-trip)")
     raise _unsupported(key, value)
+
+
+ValueKind = Union[str, tuple[str, "ValueKind"], tuple[str, tuple[tuple[str, "ValueKind"], ...]], None]
+"""What a value inside a list is, as far as the values seen tell: a Python type's name,
+``("list", kind)``, ``("dict", ((key, kind), ...))``, None where nothing tells (None, [])."""
+
+
+def _list_column_kind(key: str, values: list[Any]) -> ValueKind:
+    """The one kind of the elements of a column's lists, across its records (Nones aside).
+    Arrow infers a list column's type from all of its elements and would turn ints into floats,
+    strs into bytes or tuples into lists, and give dicts each other's keys: a ConfigError
+    unless every element is of one Python type, lists of one, or dicts of the same keys in the
+    same order whose values agree likewise."""
+    found: ValueKind = None
+    for value in values:
+        if value is not None:
+            found = _unify(key, found, _value_kind(key, value, 0))
+    return found
+
+
+def _value_kind(key: str, value: Any, depth: int) -> ValueKind:
+    if value is None:
+        return None
+    if type(value) in _PY_TYPES:
+        return type(value).__name__
+    if depth < MAX_LIST_DEPTH and type(value) is list:
+        found: ValueKind = None
+        for element in value:
+            found = _unify(key, found, _value_kind(key, element, depth + 1))
+        return ("list", found)
+    if depth < MAX_LIST_DEPTH and type(value) is dict and depth > 0 and all(type(k) is str for k in value):
+        return ("dict", tuple((k, _value_kind(key, v, depth + 1)) for k, v in value.items()))
+    raise _unsupported(key, value, " (inside a list: it does not round-trip)")
+
+
+def _unify(key: str, first: ValueKind, second: ValueKind) -> ValueKind:
+    """The kind that ``first`` and ``second`` both are (None unifies with anything)."""
+    if first is None or first == second:
+        return second
+    if second is None:
+        return first
+    if isinstance(first, tuple) and isinstance(second, tuple) and first[0] == second[0]:
+        if first[0] == "list":
+            return ("list", _unify(key, cast("ValueKind", first[1]), cast("ValueKind", second[1])))
+        fields, others = (
+            cast("tuple[tuple[str, ValueKind], ...]", first[1]),
+            cast("tuple[tuple[str, ValueKind], ...]", second[1]),
+        )
+        if [name for name, _ in fields] == [name for name, _ in others]:
+            return ("dict", tuple((name, _unify(key, a, b)) for (name, a), (_, b) in zip(fields, others)))
+    raise ConfigError(f"Cache: field {key!r} holds lists that mix {first} and {second}; it cannot be stored on disk")
 
 
 def _column(key: str, kind: str, tag: str, values: list[Any]) -> pa.Array:
@@ -151,6 +208,8 @@ def encode_block(records: Sequence[Any], start: int) -> pa.Table:
         if len(found) > 1 and not (len(python_tags) == len(found) and len(python_tags - {"none"}) <= 1):
             raise ConfigError(f"Cache: field {key!r} mixes value types {sorted(found)}; it cannot be stored on disk")
         kind, tag = next(iter(found)) if len(found) == 1 else (PYTHON, next(iter(python_tags - {"none"})))
+        if tag == "list":
+            _list_column_kind(key, values)
         kinds[key] = [kind, tag]
         columns.append(_column(key, kind, tag, values))
     for row in rows:

@@ -164,12 +164,12 @@ def _copied(value: Any, plan: CopyPlan) -> Any:
     """A copy of ``value`` that shares nothing mutable with it, by ``_survey``'s plan."""
     if plan is None:
         return value
-    if plan is _COPY_SHALLOW or plan is _COPY_ARRAY:
+    if plan == _COPY_SHALLOW or plan == _COPY_ARRAY:  # by value: a pickled cache holds other str objects
         return value.copy()
-    if plan is _COPY_DEEP:
+    if plan == _COPY_DEEP:
         return copy.deepcopy(value)
     kind, plans = plan
-    if kind is _COPY_DICT:
+    if kind == _COPY_DICT:
         return {key: _copied(item, plans[key]) for key, item in value.items()}
     return [_copied(item, item_plan) for item, item_plan in zip(value, plans)]
 

@@ -23,7 +23,6 @@ import os
 import pickle
 import subprocess
 import sys
-import threading
 import traceback
 import weakref
 from collections import deque
@@ -269,11 +268,12 @@ class _Chunk:
         self.failures: Failures = None
 
 
-def _stop_pool(pool: Executor, thread_prefix: str) -> None:
-    """Finalizer: stop ``pool``, waiting for its workers unless running in one of them (a
-    garbage collection may run the finalizer in any thread)."""
-    in_pool_thread = threading.current_thread().name.startswith(thread_prefix)
-    pool.shutdown(wait=not in_pool_thread, cancel_futures=True)
+def _stop_pool(pool: Executor) -> None:
+    """Finalizer: stop ``pool`` without waiting for its threads or processes, which end by
+    themselves. A garbage collection runs it in whatever thread allocates, even inside
+    ``threading``'s own locked bookkeeping (a thread starting), where joining a thread (a pool's
+    threads and its manager thread are not daemons) would wait for ever on that lock."""
+    pool.shutdown(wait=False, cancel_futures=True)
 
 
 class ParallelMap(ReadAhead[U]):
@@ -456,7 +456,7 @@ class ParallelMap(ReadAhead[U]):
                     initargs=(self._pickled_fn(), self.batched),
                 )
             self._pool = pool
-            self._finalizer = weakref.finalize(self, _stop_pool, pool, name)
+            self._finalizer = weakref.finalize(self, _stop_pool, pool)
         return self._pool
 
     def _drop_ahead(self) -> bool:

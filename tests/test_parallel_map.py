@@ -376,7 +376,10 @@ def test_process_pool_of_an_abandoned_pipeline_is_shut_down() -> None:
         take(rs.from_list(list(range(100))).map(square, num_workers=2, mode="process").batch(2), 2)
 
     abandon()
-    gc.collect()
+    gc.collect()  # the finalizer stops the pool without waiting: its workers end by themselves
+    deadline = time.monotonic() + 60
+    while new_children(before) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert new_children(before) == []
 
 

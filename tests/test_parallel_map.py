@@ -7,7 +7,7 @@ import gc
 import multiprocessing
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import pytest
@@ -78,6 +78,14 @@ def shifted(record: dict[str, Any]) -> dict[str, Any]:
 
 def pool_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("resumable-ParallelMap")]
+
+
+def until_empty(found: Callable[[], list[Any]], limit_s: float = 60.0) -> list[Any]:
+    """What ``found()`` returns once it is empty, or after ``limit_s`` seconds."""
+    deadline = time.monotonic() + limit_s
+    while (left := found()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
 
 
 def chain(mode: str, repeat: str = "", workers: int = 3) -> Node[Any]:
@@ -350,8 +358,8 @@ def test_thread_pool_is_shut_down() -> None:
         take(rs.from_list(list(range(100))).map(square, num_workers=3).batch(2), 2)
 
     abandon()
-    gc.collect()
-    assert pool_threads() == []
+    gc.collect()  # the finalizer stops the pool without waiting: its threads end by themselves
+    assert until_empty(pool_threads) == []
 
 
 def new_children(before: set[int]) -> list[int]:
@@ -377,10 +385,7 @@ def test_process_pool_of_an_abandoned_pipeline_is_shut_down() -> None:
 
     abandon()
     gc.collect()  # the finalizer stops the pool without waiting: its workers end by themselves
-    deadline = time.monotonic() + 60
-    while new_children(before) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert new_children(before) == []
+    assert until_empty(lambda: new_children(before)) == []
 
 
 # -- validation -----------------------------------------------------------------------------

@@ -91,13 +91,20 @@ def test_memory_cache_estimates_sizes_and_hands_out_new_objects() -> None:
     lru = LRU(max_bytes=1 << 20)
     record = {"ids": np.arange(100, dtype=np.int32), "text": "x" * 1000, "nested": [[1, 2], {"a": [3]}]}
     lru.put(0, record)
-    assert 1400 <= lru.bytes <= 2200  # 400 + 1000 bytes of data and the objects' overhead
+    assert 1400 <= lru.bytes <= 2400  # 400 + 1000 bytes of data, the keys and the objects' overhead
     record["nested"][1]["a"].append(4)  # the computed record edited after it was kept
     assert lru.get(0)["nested"] == [[1, 2], {"a": [3]}]
     first, second = lru.get(0), lru.get(0)
     assert first is not record and first is not second and first["ids"] is not second["ids"]
     first["ids"] += 1
     assert np.array_equal(lru.get(0)["ids"], record["ids"])
+    pair = (np.zeros(1000, dtype=np.int64), 3)  # a tuple holding an array: counted, and copied whole
+    small = LRU(max_bytes=4000)
+    small.put(1, pair)
+    assert len(small) == 0  # bigger than the whole budget: not kept
+    large = LRU(max_bytes=1 << 20)
+    large.put(1, pair)
+    assert large.bytes >= 8000 and large.get(1)[0] is not pair[0]
     with pytest.raises(rs.ConfigError, match=r"Cache: the record at position 7 cannot be kept in memory"):
         lru.put(7, {"lock": threading.Lock()})
 

@@ -144,20 +144,27 @@ def _survey(value: Any, depth: int = 0) -> tuple[int, CopyPlan]:
     ``OBJECT_OVERHEAD`` per object) and the plan to copy it with, found in one walk: the walk
     is paid once per record kept, the copies once per record handed out."""
     kind = type(value)
+    if kind is str or kind is bytes:
+        return len(value) + OBJECT_OVERHEAD, None
     if kind in _IMMUTABLE or isinstance(value, np.generic):
-        return (len(value) if kind is str or kind is bytes else 0) + OBJECT_OVERHEAD // 2, None
+        return OBJECT_OVERHEAD // 2, None
     if kind is np.ndarray:
         return value.nbytes + OBJECT_OVERHEAD, _COPY_ARRAY
-    if depth < MAX_COPY_DEPTH and (kind is dict or kind is list):
-        items = value.items() if kind is dict else enumerate(value)
-        size, plans = OBJECT_OVERHEAD + 8 * len(value), {}
-        for where, item in items:
-            item_size, plans[where] = _survey(item, depth + 1)
-            size += item_size
-        if all(plan is None for plan in plans.values()):
+    if kind is bytearray:
+        return len(value) + OBJECT_OVERHEAD, _COPY_SHALLOW
+    if depth >= MAX_COPY_DEPTH or not isinstance(value, (dict, list, tuple, set, frozenset)):
+        return OBJECT_OVERHEAD // 2, _COPY_DEEP
+    size, plans = OBJECT_OVERHEAD + (0 if isinstance(value, dict) else 8 * len(value)), {}
+    items = value.items() if isinstance(value, dict) else enumerate(value)
+    for where, item in items:
+        item_size, plans[where] = _survey(item, depth + 1)
+        size += item_size + (_survey(where, depth + 1)[0] if isinstance(value, dict) else 0)
+    immutable = all(plan is None for plan in plans.values())
+    if kind is dict or kind is list:
+        if immutable:
             return size, _COPY_SHALLOW
         return size, (_COPY_DICT, plans) if kind is dict else (_COPY_LIST, list(plans.values()))
-    return OBJECT_OVERHEAD, _COPY_DEEP
+    return size, None if immutable and kind in (tuple, frozenset) else _COPY_DEEP
 
 
 def _copied(value: Any, plan: CopyPlan) -> Any:

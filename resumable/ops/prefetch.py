@@ -68,13 +68,14 @@ class _Producer:
                 mark = upstream._mark()
                 key = upstream.last_key()
             del upstream  # while waiting for room in the queue
+            if tag == _ERROR:
+                self.error_taken.clear()
+            if not self._put((tag, item, mark, key)) or tag == _END:
+                return
             if tag != _ERROR:
-                if not self._put((tag, item, mark, key)) or tag == _END:
-                    return
                 continue
-            self.error_taken.clear()
-            if not self._put((tag, item, mark, key)) or not isinstance(item, Exception):
-                return  # asked to stop; or KeyboardInterrupt, SystemExit: nothing follows
+            if not isinstance(item, Exception):
+                return  # KeyboardInterrupt, SystemExit: nothing follows
             # Read on once the error is handed out: an upstream that failed without moving (a
             # file gone, an object replaced) would fail at the same record again.
             while not self.error_taken.wait(POLL_S):

@@ -37,3 +37,31 @@ def test_dropped_resets_each_epoch() -> None:
 def test_filter_rejects_non_callable() -> None:
     with pytest.raises(rs.ConfigError):
         rs.from_list([1]).filter(None)  # type: ignore[arg-type]  # deliberately wrong, to test the check
+
+
+def test_a_filter_keeping_nothing_of_an_endless_upstream_is_an_error_not_a_hang() -> None:
+    pipe = rs.from_list(list(range(10))).shuffle(seed=1).repeat().filter(lambda x: x > 100)
+    with pytest.raises(rs.SourceError, match=r"Filter: the predicate kept no item of epoch \d+ of its upstream"):
+        take(pipe, 1)
+
+
+def test_below_a_shard_the_error_names_no_stride() -> None:
+    pipe = rs.from_list(list(range(10))).shard(rank=1, world_size=2).repeat().map(lambda x: x).filter(lambda x: False)
+    with pytest.raises(rs.SourceError, match=r"kept no item of epoch \d+ of its upstream") as raised:
+        take(pipe, 1)
+    assert "Stride" not in str(raised.value)
+
+
+def test_a_rare_item_of_an_endless_upstream_is_still_found_epoch_after_epoch() -> None:
+    """Thousands of items dropped in a row, but every epoch keeps one: no error."""
+    pipe = rs.from_list(list(range(3000))).shuffle(seed=2).repeat().filter(lambda x: x == 1234)
+    assert take(pipe, 4) == [1234] * 4
+
+
+def test_after_a_restarting_mix_only_every_component_barren_is_an_error() -> None:
+    def mix() -> rs.Node:
+        return rs.mix({"a": rs.from_list(list(range(10))), "b": rs.from_list(list(range(10, 20)))}, on_end="restart")
+
+    assert take(mix().filter(lambda x: x >= 10), 25) == list(range(10, 20)) * 2 + list(range(10, 15))
+    with pytest.raises(rs.SourceError, match="kept no item of epoch .* of mix component"):
+        take(mix().filter(lambda x: x > 100), 1)

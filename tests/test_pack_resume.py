@@ -276,3 +276,9 @@ def test_malformed_lines_are_skipped_by_every_strategy_with_on_error_skip(
     assert pipe.upstream.upstream.stats["skipped"] >= 3  # type: ignore[union-attr]  # the chain ends in a JsonlSource
     for k in (0, 1, len(rows) // 2, len(rows)):
         check_resume(lambda: build().map(as_lists), k, len(rows) + 3)
+
+
+def test_below_a_shard_an_endless_stream_without_tokens_names_no_stride() -> None:
+    pipe = rs.from_list(corpus([0, 0, 0, 0])).shard(rank=0, world_size=2).repeat().pack(8)
+    with pytest.raises(rs.SourceError, match="no document of epoch 1 has tokens to pack"):
+        take(pipe, 1)

@@ -7,11 +7,15 @@ from typing import Any, Callable, Sequence, TypeVar
 from resumable.core.keys import RecordKey
 from resumable.core.node import Node
 from resumable.core.state import require_count
-from resumable.errors import ConfigError, stop_error
+from resumable.ops.barren import BarrenEpochs
+from resumable.errors import ConfigError, SourceError, stop_error
 
 T = TypeVar("T")
 
 DROPPED = "dropped"
+
+BARREN_CHECK_EVERY = 1024
+"""Dropped items in a row between two looks at their epoch (a key lookup, kept off the hot path)."""
 
 
 class Filter(Node[T]):
@@ -34,6 +38,8 @@ class Filter(Node[T]):
 
     def _next(self) -> T:
         upstream, predicate = self.upstream, self.predicate
+        in_a_row = 0
+        barren: BarrenEpochs | None = None
         while True:
             item: T = next(upstream)
             try:
@@ -43,6 +49,23 @@ class Filter(Node[T]):
             if kept:
                 return item
             self.dropped += 1
+            in_a_row += 1
+            if in_a_row % BARREN_CHECK_EVERY == 0:
+                barren = barren or BarrenEpochs(upstream)
+                self._check_barren(barren, in_a_row)
+
+    def _check_barren(self, barren: BarrenEpochs, in_a_row: int) -> None:
+        """Fail instead of reading for ever when a whole epoch of an endless upstream (after
+        ``repeat()``, or a mix with ``on_end="restart"``) was dropped. Without record keys
+        (after a batch, say) there is no epoch to tell."""
+        key = self.upstream.last_key()
+        since = None if key is None else barren.barren_since(key)
+        if since is not None:
+            epoch, where = since
+            raise SourceError(
+                f"{self.kind}: the predicate kept no item of epoch {epoch}{where} of its upstream "
+                f"({in_a_row} dropped in a row), and the upstream runs on, so no item can come"
+            )
 
     def _on_epoch_start(self) -> None:
         self.dropped = 0

@@ -16,6 +16,7 @@ from resumable.core.indexed import IndexedNode
 from resumable.core.keys import RecordKey, Stride, saved_prefix
 from resumable.core.state import require
 from resumable.errors import ConfigError, SourceError, StateError
+from resumable.ops.barren import BarrenEpochs
 from resumable.ops.filter import Filter
 from resumable.ops.map import Map
 from resumable.ops.mix import Mix
@@ -121,9 +122,7 @@ class BufferedRows:
         self._exhausted = False
         # After a restore: fetches the records of restored pieces as their rows are handed out.
         self._fetcher: Refetcher | None = None
-        # Per origin (mix components): the epochs where the current run of documents without
-        # tokens began and where it is now.
-        self._barren: dict[RecordKey, list[int]] = {}
+        self._barren = BarrenEpochs(upstream)  # the epochs of the documents without tokens in a row
 
     # -- iteration ---------------------------------------------------------------------------
 
@@ -230,34 +229,16 @@ class BufferedRows:
 
     def _check_barren(self, key: RecordKey) -> None:
         """Fail instead of spinning forever when a whole upstream epoch gives no tokens (every
-        document empty or dropped): after ``repeat()`` no row would ever come. After a mix,
-        epochs are counted per origin (the components a key names), since components run
-        through their epochs independently, and only when every component the mix still
-        chooses from is barren can no row come."""
-        origin, epoch = key[:-2], key[-2]
-        span = self._barren.setdefault(origin, [epoch, epoch])
-        span[1] = epoch
-        if epoch <= span[0] + 1:
+        document empty or dropped): after ``repeat()`` no row would ever come."""
+        barren = self._barren.barren_since(key)
+        if barren is None:
             return
-        first = span[0]
-        mix = self._upstream_mix()
-        if origin and mix is not None:
-            barren = {path[0] for path, (start, latest) in self._barren.items() if path and latest > start + 1}
-            if not set(mix.eligible) <= barren:
-                return
-        where = f" of mix component {'/'.join(map(str, origin))}" if origin else ""
+        epoch, where = barren
         documents = self._documents
         raise SourceError(
-            f"{documents.kind}: no document of epoch {first + 1}{where} has tokens to pack (all are empty"
+            f"{documents.kind}: no document of epoch {epoch}{where} has tokens to pack (all are empty"
             f"{' or dropped as longer than seq_len' if documents.overlong == 'drop' else ''}), so no row can come"
         )
-
-    def _upstream_mix(self) -> Mix[Any] | None:
-        """The mix the packer's documents come from, through pass-through nodes, if any."""
-        node: Node[Any] | None = self._upstream
-        while node is not None and not isinstance(node, Mix):
-            node = node.upstream
-        return node
 
     def _documents_of(self, held: list[Piece]) -> list[Document]:
         """The documents of a row's pieces, fetching those a restore left unfetched."""

@@ -1,0 +1,62 @@
+"""Barren epochs: a node that keeps nothing of an endless upstream would read it for ever.
+
+A streaming filter whose predicate drops every item, or a packer whose documents are all empty,
+after ``repeat()`` or a mix with ``on_end="restart"``, would never hand out another item. Such
+a node watches the record keys of what it drops in a row and fails once a whole upstream
+epoch has passed so: the same records come again in every later epoch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from resumable.core.keys import RecordKey, Stride
+from resumable.core.node import Node
+from resumable.ops.mix import Mix
+
+
+class BarrenEpochs:
+    """The epochs, per origin, of the items dropped since the last one kept.
+
+    Keys end in ``(epoch, index)``; after a mix they start with the component's name, and
+    components run through their epochs independently, so epochs are counted per origin and an
+    origin is barren only when every component the mix still chooses from is."""
+
+    def __init__(self, upstream: Node[Any]) -> None:
+        self._upstream = upstream
+        self._spans: dict[RecordKey, list[int]] = {}  # origin -> [first epoch seen, latest]
+
+    def clear(self) -> None:
+        """An item was kept: the run of dropped ones is over."""
+        self._spans.clear()
+
+    def barren_since(self, key: RecordKey) -> tuple[int, str] | None:
+        """After dropping the item of ``key``: the first epoch of which nothing was kept and a
+        phrase naming its origin (a mix component), once no further epoch can keep anything."""
+        origin, epoch = key[:-2], key[-2]
+        span = self._spans.setdefault(origin, [epoch, epoch])
+        span[1] = epoch
+        if epoch <= span[0] + 1:
+            return None
+        names = _component_names(origin)
+        mix = self._upstream_mix()
+        if names and mix is not None:
+            barren = {
+                _component_names(path)[:1] for path, (start, latest) in self._spans.items() if latest > start + 1
+            }
+            if not {(name,) for name in mix.eligible} <= barren:
+                return None
+        where = f" of mix component {'/'.join(map(str, names))}" if names else ""
+        return span[0] + 1, where
+
+    def _upstream_mix(self) -> Mix[Any] | None:
+        """The mix the items come from, through pass-through nodes, if any."""
+        node: Node[Any] | None = self._upstream
+        while node is not None and not isinstance(node, Mix):
+            node = node.upstream
+        return node
+
+
+def _component_names(origin: RecordKey) -> RecordKey:
+    """The mix components a key's prefix names (a shard's ``Stride`` names no component)."""
+    return tuple(part for part in origin if not isinstance(part, Stride))

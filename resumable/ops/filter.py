@@ -7,8 +7,8 @@ from typing import Any, Callable, Sequence, TypeVar
 from resumable.core.keys import RecordKey
 from resumable.core.node import Node
 from resumable.core.state import require_count
-from resumable.ops.barren import BarrenEpochs
 from resumable.errors import ConfigError, SourceError, stop_error
+from resumable.ops.barren import BarrenEpochs
 
 T = TypeVar("T")
 

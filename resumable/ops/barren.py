@@ -41,9 +41,7 @@ class BarrenEpochs:
         names = _component_names(origin)
         mix = self._upstream_mix()
         if names and mix is not None:
-            barren = {
-                _component_names(path)[:1] for path, (start, latest) in self._spans.items() if latest > start + 1
-            }
+            barren = {_component_names(path)[:1] for path, (start, latest) in self._spans.items() if latest > start + 1}
             if not {(name,) for name in mix.eligible} <= barren:
                 return None
         where = f" of mix component {'/'.join(map(str, names))}" if names else ""

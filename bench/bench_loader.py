@@ -16,15 +16,18 @@ per batch as large as it gets.
 
 The baseline is a plain ``torch.utils.data.DataLoader`` over a plain ``IterableDataset`` of the
 same pipeline, whose state is never taken. The Loader hands a state out with every batch and
-the loop calls ``state_dict()`` after every step. For each worker count the two loops
-alternate (which one goes first alternates too), ``--runs`` times; the ratio of each run is
-plain seconds / Loader seconds, and the table gives the medians. The CPU ratio divides the CPU
+the loop calls ``state_dict()`` after every step. The Loader's workers also hand each batch
+over their own way (``resumable.torch.transport``: inline when small, else in one shared-memory
+segment, where torch sends a segment per tensor), so a second baseline isolates the state's
+cost: the plain DataLoader with the same transport (``same transport``). For each worker count
+the loops take turns (in rotating order), ``--runs`` times; the ratio of each run is baseline
+seconds / Loader seconds, and the table gives the medians. The CPU ratios divide the CPU
 seconds of the timed batches (this process and its workers, read from ``/proc``; start-up
-excluded, as from the wall time): the cost of the state per batch, which preemptions by other
-jobs do not inflate. ``state_dict/step`` is the loop's time in ``state_dict()`` over its whole
-time (each call timed by ``perf_counter`` alone: a CPU-time clock read costs about as much as
-the call); ``(median)`` is the median call over the mean step instead, which leaves out the
-calls that waited for a core (two workers and the loop share two cores here).
+excluded, as from the wall time), which preemptions by other jobs do not inflate.
+``state_dict/step`` is the loop's time in ``state_dict()`` over its whole time (each call timed
+by ``perf_counter`` alone: a CPU-time clock read costs about as much as the call); ``(median)``
+is the median call over the mean step instead, which leaves out the calls that waited for a
+core (two workers and the loop share two cores here).
 
 ``--in-process`` measures instead what a worker adds per batch, in one process, which a loaded
 machine disturbs far less than the end-to-end loops: two copies of the pipeline advance in
@@ -59,7 +62,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, IterableDataset, default_convert
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -68,6 +71,7 @@ import resumable as rs  # noqa: E402
 import resumable.torch as rst  # noqa: E402
 from bench.corpus import make_jsonl_corpus  # noqa: E402
 from resumable.torch.dataset import WorkerIterator  # noqa: E402
+from resumable.torch.transport import for_transport  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "corpus-100mb.jsonl")
 CORPUS_BYTES = 100 << 20
@@ -205,6 +209,11 @@ def time_loop(loader: Any, batches: int, take_state: bool) -> tuple[float, float
     return elapsed, cpu, calls
 
 
+def convert_for_transport(batch: Any) -> Any:
+    """The plain DataLoader's conversion, then the Loader's transport (``resumable.torch.transport``)."""
+    return for_transport(default_convert(batch))
+
+
 def control_loader(build: Callable[[], rs.Node], **config: Any) -> StatefulDataLoader:
     """torchdata's StatefulDataLoader with a snapshot at every batch, over ``ConstantStateDataset``."""
     return StatefulDataLoader(ConstantStateDataset(build), batch_size=None, snapshot_every_n_steps=1, **config)
@@ -228,16 +237,20 @@ def compare(
         loaders["baseline"] = (baseline.torch.Loader, functools.partial(build, baseline))
     if control:
         loaders["control"] = (control_loader, build)
-    kinds = ["plain", *loaders]
+    kinds = ["plain", "transport", *loaders]
     seconds: dict[str, list[float]] = {kind: [] for kind in kinds}
     cpu: dict[str, list[float]] = {kind: [] for kind in kinds}
     shares: dict[str, list[float]] = {kind: [] for kind in loaders}
     median_shares: dict[str, list[float]] = {kind: [] for kind in loaders}
     for run in range(runs):
         for kind in kinds[run % len(kinds) :] + kinds[: run % len(kinds)]:
-            if kind == "plain":
+            if kind in ("plain", "transport"):
                 plain = DataLoader(
-                    PlainDataset(build), batch_size=None, num_workers=workers, prefetch_factor=PREFETCH_FACTOR
+                    PlainDataset(build),
+                    batch_size=None,
+                    num_workers=workers,
+                    prefetch_factor=PREFETCH_FACTOR,
+                    collate_fn=convert_for_transport if kind == "transport" else None,
                 )
                 wall, used, _ = time_loop(plain, batches, take_state=False)
             else:
@@ -262,6 +275,10 @@ def compare(
             "ratio_min": min(ratios),
             "ratio_max": max(ratios),
             "cpu_ratio": statistics.median(plain / ours for plain, ours in zip(cpu["plain"], cpu[kind])),
+            "transport_ratio": statistics.median(
+                plain / ours for plain, ours in zip(seconds["transport"], seconds[kind])
+            ),
+            "transport_cpu_ratio": statistics.median(plain / ours for plain, ours in zip(cpu["transport"], cpu[kind])),
             "state_share": statistics.median(shares[kind]),
             "state_median_share": statistics.median(median_shares[kind]),
         }
@@ -393,7 +410,7 @@ def main() -> None:
     width = 10 + max(len(args.baseline or "") + 2, 9 if args.control else 0)
     print(
         f"{'pipeline':<{width}}{'workers':>8}{'plain b/s':>11}{'Loader b/s':>12}{'ratio':>8}{'(min-max)':>14}"
-        f"{'state_dict/step':>17}{'(median)':>11}{'CPU ratio':>11}"
+        f"{'state_dict/step':>17}{'(median)':>11}{'CPU ratio':>11}{'same transport':>16}{'(CPU)':>8}"
     )
     for name in args.pipelines:
         for workers in args.workers:
@@ -405,7 +422,7 @@ def main() -> None:
                 print(
                     f"{label:<{width}}{workers:>8}{row['plain']:>11.1f}{row['loader']:>12.1f}{row['ratio']:>8.3f}"
                     f"{spread:>14}{100 * row['state_share']:>16.2f}%{100 * row['state_median_share']:>10.2f}%"
-                    f"{row['cpu_ratio']:>11.3f}",
+                    f"{row['cpu_ratio']:>11.3f}{row['transport_ratio']:>16.3f}{row['transport_cpu_ratio']:>8.3f}",
                     flush=True,
                 )
 

@@ -19,7 +19,7 @@ from resumable.errors import ConfigError, ResumableError, StateError, stop_error
 from resumable.loader_state import PASS_EPOCH, PIPELINE
 from resumable.ops.even import StoreRef, default_store, inherit_store, new_namespace
 from resumable.order.topology import distributed_rank, inherit_rank
-from resumable.torch.segment import in_one_segment
+from resumable.torch.transport import for_transport
 
 PipelineOrFactory = Union[Node[Any], Callable[[], Node[Any]]]
 
@@ -155,7 +155,7 @@ class CollateBatch:
     as a DataLoader without batching applies) on the batch, and the state of the worker's
     pipeline right after it, as one ``BatchWithState``. torch's fetcher calls it in the worker
     right after taking the batch from the dataset's iterator, so that is the state as of this
-    batch. The batch's tensors travel in one shared-memory segment (``segment.in_one_segment``).
+    batch. The batch's tensors travel inline or in one shared-memory segment (``transport``).
     Only the Loader installs it, so a plain DataLoader over the same ``PipelineDataset`` gets
     plain batches. A class, so that it pickles into spawned workers."""
 
@@ -168,7 +168,7 @@ class CollateBatch:
         if type(batch) is Failure:
             return BatchWithState(batch.error, iterator.state_dict())
         try:
-            collated = in_one_segment(self.collate_fn(batch))
+            collated = for_transport(self.collate_fn(batch))
         except Exception:  # noqa: BLE001 - handed over with the state, as a batch would be
             collated = _handled_error()
         return BatchWithState(collated, iterator.state_dict())

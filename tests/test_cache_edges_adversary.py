@@ -459,11 +459,6 @@ def buffer_offset(path: Path, column: str, buffer: int) -> int:
         return int(found.address - whole.address)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a disk cache block whose Arrow offsets point past its buffers, or whose text is not "
-    "UTF-8, kills the process (SIGBUS, SIGABRT) or raises UnicodeDecodeError instead of being computed again",
-)
 @pytest.mark.parametrize("how", ["text-offset-past-the-end", "list-offset-past-the-end", "text-not-utf8"])
 def test_a_block_whose_arrow_buffers_are_damaged_is_computed_again(how: str, tmp_path: Path) -> None:
     """docs/cache.md: a block file damaged some other way is treated as missing and computed

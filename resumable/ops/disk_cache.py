@@ -374,7 +374,9 @@ class DiskStore:
             return None
         try:
             mapping = MappedFile.of(self.path(block))  # no descriptor held: thousands of blocks stay open
-            view = BlockView(pa.ipc.open_file(mapping.buffer).read_all(), mapping)
+            table = pa.ipc.open_file(mapping.buffer).read_all()
+            table.validate(full=True)  # offsets and UTF-8 checked once, not trusted by every read
+            view = BlockView(table, mapping)
         except (OSError, ValueError, KeyError, pa.ArrowException):
             self.known.discard(block)
             return None

@@ -645,11 +645,6 @@ def tensor_payload(record: Any) -> dict[str, Any]:
         pytest.param(
             tensor_payload,
             id="tensor",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="BUG: the memory cache estimates a torch tensor at 32 bytes whatever its size, so "
-                "max_bytes does not bound records holding tensors (all are kept)",
-            ),
         ),
     ],
 )
@@ -685,20 +680,10 @@ def edit_void(record: dict[str, Any]) -> dict[str, Any]:
         pytest.param(
             edit_object_array,
             id="object-array-element",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="BUG: the memory cache copies an object array shallowly: an edit of its list element "
-                "leaks into later epochs",
-            ),
         ),
         pytest.param(
             edit_void,
             id="structured-scalar",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="BUG: the memory cache shares a np.void (structured scalar), which is mutable: "
-                "an edit leaks into later epochs",
-            ),
         ),
     ],
 )
@@ -801,47 +786,22 @@ def long_double_scalar(i: int) -> Any:
         pytest.param(
             big_endian,
             id="big-endian-array",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="BUG: a disk cache given a 1-d big-endian int array raises pyarrow's bare "
-                "ArrowNotImplementedError instead of storing it (or a ConfigError)",
-            ),
         ),
         pytest.param(
             long_double,
             id="longdouble-array",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="BUG: a disk cache given a float128 array raises pyarrow's bare ArrowNotImplementedError, "
-                "not a ConfigError",
-            ),
         ),
         pytest.param(
             long_double_scalar,
             id="longdouble-scalar",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="BUG: a disk cache given a np.longdouble scalar raises pyarrow's bare "
-                "ArrowNotImplementedError, not a ConfigError",
-            ),
         ),
         pytest.param(
             surrogate_str,
             id="surrogate-str",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="BUG: a disk cache given a str with a lone surrogate raises a bare UnicodeEncodeError, "
-                "not a ConfigError",
-            ),
         ),
         pytest.param(
             surrogates_in_a_list,
             id="surrogate-in-a-list",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="BUG: a disk cache given a list holding a str with a lone surrogate raises a bare "
-                "UnicodeEncodeError, not a ConfigError",
-            ),
         ),
     ],
 )

@@ -146,14 +146,15 @@ def _survey(value: Any, depth: int = 0) -> tuple[int, CopyPlan]:
     kind = type(value)
     if kind is str or kind is bytes:
         return len(value) + OBJECT_OVERHEAD, None
-    if kind in _IMMUTABLE or isinstance(value, np.generic):
+    if kind in _IMMUTABLE or (isinstance(value, np.generic) and kind is not np.void):  # a np.void is mutable
         return OBJECT_OVERHEAD // 2, None
-    if kind is np.ndarray:
-        return value.nbytes + OBJECT_OVERHEAD, _COPY_ARRAY
+    if kind is np.ndarray:  # .copy() of an array of objects would share them
+        return value.nbytes + OBJECT_OVERHEAD, _COPY_DEEP if value.dtype.hasobject else _COPY_ARRAY
     if kind is bytearray:
         return len(value) + OBJECT_OVERHEAD, _COPY_SHALLOW
     if depth >= MAX_COPY_DEPTH or not isinstance(value, (dict, list, tuple, set, frozenset)):
-        return OBJECT_OVERHEAD // 2, _COPY_DEEP
+        buffer = getattr(value, "nbytes", 0)  # a torch tensor's, a memoryview's, a np.void's
+        return (buffer if type(buffer) is int else 0) + OBJECT_OVERHEAD // 2, _COPY_DEEP
     size, plans = OBJECT_OVERHEAD + (0 if isinstance(value, dict) else 8 * len(value)), {}
     items = value.items() if isinstance(value, dict) else enumerate(value)
     for where, item in items:

@@ -85,20 +85,26 @@ def _unsupported(key: str, value: Any, why: str = "") -> ConfigError:
     where = f"field {key!r}" if key != VALUE_COLUMN else "record"
     return ConfigError(
         f"Cache: cannot store {where} of type {type(value).__name__} on disk{why}; supported: dicts of "
-        "1-d numeric numpy arrays, numpy scalars, int, float, bool, str, bytes, None and lists of those "
+        "1-d numeric numpy arrays and numpy scalars (native byte order, up to 64 bits), int, float, bool, str, bytes, None and lists of those "
         "(or one such value per record); use .cache() without a directory for other records"
     )
+
+
+def _arrow_numeric(dtype: np.dtype[Any]) -> bool:
+    """Whether Arrow stores numbers of ``dtype`` as they are: bool, ints and floats of up to 64
+    bits, in this machine's byte order (not float128, not byte-swapped)."""
+    return dtype.kind in "biuf" and dtype.isnative and dtype.itemsize <= 8
 
 
 def _kind_of(key: str, value: Any) -> tuple[str, str]:
     """``(kind, type tag)`` of one value; records of one block must agree per column."""
     if isinstance(value, np.ndarray):
-        if value.ndim != 1 or value.dtype.kind not in "biuf":
-            raise _unsupported(key, value, f" (a {value.ndim}-d array of {value.dtype})")
+        if value.ndim != 1 or not _arrow_numeric(value.dtype):
+            raise _unsupported(key, value, f" (a {value.ndim}-d array of {value.dtype.str})")
         return ARRAY, value.dtype.str
     if isinstance(value, np.generic):
-        if value.dtype.kind not in "biuf":
-            raise _unsupported(key, value)
+        if not _arrow_numeric(value.dtype):
+            raise _unsupported(key, value, f" (of {value.dtype.str})")
         return NUMPY, value.dtype.str
     if value is None:
         return PYTHON, "none"
@@ -176,7 +182,7 @@ def _column(key: str, kind: str, tag: str, values: list[Any]) -> pa.Array:
         if tag in ("none", "list"):
             return pa.array(values)
         return pa.array(values, type=_PY_TAGS[tag])
-    except (pa.ArrowException, OverflowError) as error:
+    except (pa.ArrowException, OverflowError, UnicodeError) as error:  # a str with a lone surrogate
         raise _unsupported(key, values[0], f": {error}") from error
 
 

@@ -85,7 +85,8 @@ def _unsupported(key: str, value: Any, why: str = "") -> ConfigError:
     where = f"field {key!r}" if key != VALUE_COLUMN else "record"
     return ConfigError(
         f"Cache: cannot store {where} of type {type(value).__name__} on disk{why}; supported: dicts of "
-        "1-d numeric numpy arrays and numpy scalars (native byte order, up to 64 bits), int, float, bool, str, bytes, None and lists of those "
+        "1-d numeric numpy arrays and numpy scalars (native byte order, up to 64 bits), int, float, bool, "
+        "str, bytes, None and lists of those "
         "(or one such value per record); use .cache() without a directory for other records"
     )
 

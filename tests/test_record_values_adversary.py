@@ -905,11 +905,6 @@ def test_pack_rows_are_the_same_whatever_the_integer_dtype_of_the_ids(files: dic
         assert_same(rows(dtype), reference)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: pack takes big-endian uint64 ids above int64's range and wraps them to negative ids "
-    "(the check compares the dtype with np.uint64, which '>u8' is not)",
-)
 @pytest.mark.parametrize("field", ["input_ids", "labels"])
 def test_big_endian_uint64_ids_past_int64_are_refused_like_native_ones(field: str) -> None:
     for dtype in ("<u8", ">u8"):

@@ -140,7 +140,7 @@ class Documents:
                 f"{self.kind}: record {key_text(key)} field {field!r} must be a 1-d sequence of integer ids, "
                 f"got shape {array.shape} of {array.dtype}"
             )
-        if array.dtype == np.uint64 and array.size and int(array.max()) > INT64_MAX:
+        if array.dtype.kind == "u" and array.dtype.itemsize == 8 and array.size and int(array.max()) > INT64_MAX:
             raise SourceError(
                 f"{self.kind}: record {key_text(key)} field {field!r} holds id {int(array.max())}, above the "
                 f"int64 rows can hold ({INT64_MAX})"

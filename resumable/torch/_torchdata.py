@@ -180,13 +180,15 @@ class _MultiProcessIterator(_Bounded, _StatefulMultiProcessingDataLoaderIter):  
         fetcher = {_FETCHER_ENDED: False, _DATASET_ITER_STATE: shipped}
         self._latest_states[key] = {**self._latest_states[key], _FETCHER_STATE: fetcher}
         self._as_of_batch_before = self._as_of_batch
-        self._as_of_batch = _AsOfBatch(
-            # torchdata counts a batch after this call, and not an error (which it raises here)
-            self._num_yielded + (not isinstance(data, ExceptionWrapper)),
-            worker_id,
-            self._sampler_counts.pop(self._rcvd_idx - 1),
-            dict(self._latest_states),
-        )
+        # torchdata counts a batch after this call, and not an error (which it raises here)
+        step = self._num_yielded + (not isinstance(data, ExceptionWrapper))
+        snapshot = {  # built once per batch, not per state_dict() call
+            self._SNAPSHOT_STEP: step,
+            self._LAST_YIELDED_WORKER_ID: worker_id,
+            self._MAIN_SNAPSHOT: self._main_state_as_of(self._sampler_counts.pop(self._rcvd_idx - 1)),
+            self._WORKER_SNAPSHOTS: dict(self._latest_states),
+        }
+        self._as_of_batch = _AsOfBatch(step, snapshot)
         return super()._process_data(data, worker_id, state_dict)
 
     def _update_worker_snapshot(self, worker_key: str, state_dict: Any) -> None:
@@ -213,14 +215,8 @@ class _MultiProcessIterator(_Bounded, _StatefulMultiProcessingDataLoaderIter):  
             as_of_batch = self._as_of_batch_before
         if as_of_batch is None:  # no batch since the pass started or was restored: torchdata's own
             return cast("dict[str, Any]", super().state_dict())
-        snapshot = {
-            self._SNAPSHOT_STEP: as_of_batch.step,
-            self._LAST_YIELDED_WORKER_ID: as_of_batch.worker_id,
-            self._MAIN_SNAPSHOT: self._main_state_as_of(as_of_batch.sampler_count),
-            self._WORKER_SNAPSHOTS: dict(as_of_batch.workers),
-        }
         return {
-            self._SNAPSHOT: snapshot,
+            self._SNAPSHOT: dict(as_of_batch.snapshot),  # its entries shared, as in torchdata's
             self._STEPS_SINCE_SNAPSHOT: self._num_yielded - as_of_batch.step,
             _ITERATOR_FINISHED: self._finished,
         }
@@ -241,9 +237,7 @@ class _AsOfBatch(NamedTuple):
     """What a torchdata snapshot taken as the last batch was handed out would hold."""
 
     step: int
-    worker_id: int
-    sampler_count: int
-    workers: dict[str, dict[str, Any]]  # worker key -> its state then
+    snapshot: dict[str, Any]  # torchdata's snapshot entries: the step, the worker, the main and worker states
 
 
 _stateful_classes: dict[type, bool] = {}

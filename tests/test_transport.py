@@ -135,3 +135,44 @@ def test_a_loader_s_worker_batches_equal_a_plain_data_loader_s(seq_len: int, per
             assert torch.equal(got[name], want[name]), name
         storages = {storage_of(tensor) for tensor in got.values()}
         assert len(storages) == (len(got) if seq_len == 16 else 1)
+
+
+class Holder:
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: {"a": torch.arange(3), "b": torch.arange(4), "held": Holder(torch.arange(2))},
+        lambda: {"a": torch.arange(3), "b": torch.arange(4), "set": {1, 2}},
+        lambda: (lambda shared: {"a": torch.arange(3), "x": shared, "y": shared})([torch.arange(4)]),
+    ],
+    ids=["object", "set", "container-twice"],
+)
+def test_a_batch_whose_every_tensor_cannot_be_seen_goes_whole_as_torch_sends_it(make: Any) -> None:
+    batch = make()
+    assert for_transport(batch) is batch
+
+
+def test_a_batch_that_holds_itself_goes_as_torch_sends_it() -> None:
+    batch: dict[str, Any] = {"a": torch.arange(3), "b": torch.arange(4)}
+    batch["self"] = batch
+    assert for_transport(batch) is batch
+
+
+def test_a_tensor_sharing_its_storage_with_one_left_to_torch_stays_with_it() -> None:
+    base = torch.arange(12).view(3, 4)
+    arrived = shipped({"base": base, "view": base.t(), "other": torch.arange(5), "more": torch.arange(6)})
+    assert storage_of(arrived["base"]) == storage_of(arrived["view"])
+    arrived["base"][0, 1] = -1
+    assert arrived["view"][1, 0] == -1
+
+
+def test_a_conjugated_view_arrives_with_its_values() -> None:
+    values = torch.tensor([1 + 2j, 3 - 1j])
+    for rows in (1, INLINE_BYTES // 16 + 1):  # inline, in a segment
+        batch = {"conj": values.repeat(rows).conj(), "other": torch.arange(3)}
+        arrived = shipped(batch)
+        assert not arrived["conj"].is_conj() and torch.equal(arrived["conj"], batch["conj"].resolve_conj())

@@ -364,11 +364,6 @@ def held_alias(record: int) -> dict[str, Any]:
     return {"tensor": tensor, "held": Holder(tensor, "same tensor"), "other": torch.arange(size)}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a tensor whose storage another tensor of the batch shares (a strided view of it, or the same "
-    "tensor in a dataclass) is copied on its own: the main process gets two storages where a DataLoader gives one",
-)
 @pytest.mark.parametrize("collate_fn", [strided_alias, held_alias], ids=["strided-view", "in-a-dataclass"])
 def test_a_tensor_shares_its_storage_with_a_view_the_transport_leaves_to_torch(collate_fn: Any) -> None:
     build = pipeline_of(list(range(2)))  # one inline batch, one past the limit
@@ -401,27 +396,16 @@ def unbound(tensor: torch.Tensor) -> list[list[Any]]:
     return [tensor.resolve_conj().tolist()]
 
 
-LOST = (
-    "BUG: the transport sends it inline and fails to pickle it (a view as bytes) in the worker's queue thread, "
-    "which drops the batch: it never arrives (the epoch ends without it, or the Loader waits forever)"
-)
-
-
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
 @pytest.mark.parametrize(
     "record",
     [
-        pytest.param(0, id="conjugate-inline", marks=pytest.mark.xfail(strict=True, reason=LOST)),
+        pytest.param(0, id="conjugate-inline"),
         pytest.param(1, id="conjugate-segment"),
-        pytest.param(2, id="nested-inline", marks=pytest.mark.xfail(strict=True, reason=LOST)),
+        pytest.param(2, id="nested-inline"),
         pytest.param(
             3,
             id="nested-segment",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="BUG: a nested tensor beside tensors past the inline limit makes the batch raise RuntimeError "
-                "(NestedTensorImpl doesn't support sizes) while copying it into the segment",
-            ),
         ),
     ],
 )
@@ -446,11 +430,6 @@ def itself(record: int) -> dict[str, Any]:
     return batch
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a batch that holds itself (a dict in itself) raises RecursionError in the worker's transport; "
-    "a plain DataLoader pickles it",
-)
 def test_a_batch_that_holds_itself_arrives() -> None:
     build = pipeline_of([0])
     ((want,),) = plain_passes(build, 1, itself, workers=1)
@@ -465,11 +444,6 @@ def one_list_twice(record: int) -> dict[str, Any]:
     return {"a": shared, "b": shared}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: one list held twice in a batch with tensors arrives as two lists (the transport rebuilds "
-    "containers); a plain DataLoader keeps one",
-)
 def test_a_container_held_twice_arrives_as_one() -> None:
     build = pipeline_of([0])
     ((want,),) = plain_passes(build, 1, one_list_twice, workers=1)

@@ -15,9 +15,13 @@ for 8 x 512 int32 tokens, 0.5 MB in six tensors for a packed batch of 8 x 2048 (
   of it, so the batch travels with one descriptor instead of one per tensor.
 
 Tensors this does not apply to go as torch sends them: tensors of other devices or layouts,
-non-contiguous ones, ones that require grad, subclasses, and tensors sharing a storage with
-another (they keep sharing it), as well as tensors in containers other than dicts, lists,
-tuples and named tuples.
+non-contiguous or nested ones, ones that require grad, subclasses, and
+tensors sharing a storage with another tensor of the batch (they keep sharing it). A batch
+holding anything but dicts, lists, tuples, named tuples, tensors, numpy arrays and scalars and
+plain Python values (a dataclass, a set), or one container twice (or itself), goes whole as
+torch sends it: only then is every tensor it holds, and every alias between them, in view. A
+conjugated (or negated) view the transport moves arrives with its values, made plain (torch's
+own way drops the bit).
 """
 
 from __future__ import annotations
@@ -43,12 +47,15 @@ def for_transport(batch: Any) -> Any:
     """``batch`` ready for the worker's result queue: its tensors inline or in one segment
     (see the module's docstring). Values, dtypes and shapes are unchanged once unpickled;
     ``batch`` itself is left as it was."""
-    found: list[torch.Tensor] = []
-    _collect(batch, found)
-    storages = Counter(tensor.untyped_storage().data_ptr() for tensor in found)
-    tensors = [tensor for tensor in found if storages[tensor.untyped_storage().data_ptr()] == 1]
+    found: dict[int, torch.Tensor] = {}
+    if not _collect(batch, found, set()):
+        return batch
+    storages = Counter(_storage_of(tensor) for tensor in found.values())
+    tensors = [tensor for tensor in found.values() if _moves(tensor) and storages[_storage_of(tensor)] == 1]
+    if not tensors:
+        return batch
     if sum(tensor.nbytes for tensor in tensors) <= INLINE_BYTES:
-        return _rebuilt(batch, {id(tensor): _Inline(tensor) for tensor in tensors}) if tensors else batch
+        return _rebuilt(batch, {id(tensor): _Inline(tensor) for tensor in tensors})
     return in_one_segment(batch, [tensor for tensor in tensors if not tensor.is_shared()])  # type: ignore[no-untyped-call]
 
 
@@ -72,16 +79,20 @@ def in_one_segment(batch: Any, tensors: list[torch.Tensor]) -> Any:
 
 
 class _Inline:
-    """A tensor that pickles as its bytes and unpickles as a tensor again."""
+    """A tensor that pickles as its bytes and unpickles as a tensor again. Its bytes are taken
+    here, in the worker's collate step, where an error reaches the main process with the batch
+    (an error while pickling, in the queue's thread, would lose the batch)."""
 
-    __slots__ = ("tensor",)
+    __slots__ = ("data", "dtype", "shape")
 
     def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
+        # A conjugated or negated view is made plain first (torch's own way loses the bit).
+        self.data = tensor.resolve_conj().resolve_neg().reshape(-1).view(torch.uint8).numpy()
+        self.dtype = tensor.dtype
+        self.shape = tuple(tensor.shape)
 
     def __reduce__(self) -> tuple[Callable[..., torch.Tensor], tuple[np.ndarray, torch.dtype, tuple[int, ...]]]:
-        tensor = self.tensor
-        return _tensor_from_bytes, (tensor.reshape(-1).view(torch.uint8).numpy(), tensor.dtype, tuple(tensor.shape))
+        return _tensor_from_bytes, (self.data, self.dtype, self.shape)
 
 
 def _tensor_from_bytes(data: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -96,6 +107,7 @@ def _moves(tensor: torch.Tensor) -> bool:
         and tensor.layout == torch.strided
         and not tensor.requires_grad
         and not tensor.is_quantized
+        and not tensor.is_nested
         and tensor.is_contiguous()
         and tensor.numel() > 0
     )
@@ -106,16 +118,30 @@ def _is_container(value: Any) -> bool:
     return kind is dict or kind is list or kind is tuple or (issubclass(kind, tuple) and hasattr(kind, "_fields"))
 
 
-def _collect(value: Any, tensors: list[torch.Tensor]) -> None:
+_PLAIN = frozenset({str, bytes, int, float, bool, complex, type(None), np.ndarray})
+
+
+def _collect(value: Any, tensors: dict[int, torch.Tensor], containers: set[int]) -> bool:
+    """Gather the tensors of ``value`` by id; False if ``value`` holds something whose tensors
+    cannot be seen (an object of another kind) or a container twice (shared, or itself)."""
     if isinstance(value, torch.Tensor):
-        if _moves(value) and all(value is not seen for seen in tensors):
-            tensors.append(value)
-    elif type(value) is dict:
-        for item in value.values():
-            _collect(item, tensors)
-    elif _is_container(value):
-        for item in value:
-            _collect(item, tensors)
+        tensors[id(value)] = value
+        return True
+    if type(value) in _PLAIN or isinstance(value, np.generic):
+        return True
+    if not (type(value) is dict or _is_container(value)) or id(value) in containers:
+        return False
+    containers.add(id(value))
+    items = value.values() if type(value) is dict else value
+    return all(_collect(item, tensors, containers) for item in items)
+
+
+def _storage_of(tensor: torch.Tensor) -> int:
+    """Where a tensor's storage lives (0 for tensors without one, a nested or sparse tensor)."""
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return 0
 
 
 def _rebuilt(value: Any, replacements: dict[int, Any]) -> Any:

@@ -40,6 +40,11 @@ class ChunkCacheWarning(ResumableWarning):
     """The chunk cache directory cannot be written: this process reads without the disk tier."""
 
 
+class FilterWarning(ResumableWarning):
+    """A streaming filter has dropped a whole epoch of an endless upstream in a row: if its
+    predicate keeps nothing at all, it reads for ever."""
+
+
 class MapError(ResumableError):
     """A function given to the pipeline (a map's ``fn``, a filter's predicate, a batch's
     ``collate_fn``) raised on a record where its exception cannot reach the caller as it is: in

@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import random
+import warnings
+
 import pytest
 
 import resumable as rs
@@ -39,29 +42,49 @@ def test_filter_rejects_non_callable() -> None:
         rs.from_list([1]).filter(None)  # type: ignore[arg-type]  # deliberately wrong, to test the check
 
 
-def test_a_filter_keeping_nothing_of_an_endless_upstream_is_an_error_not_a_hang() -> None:
+def keeping_nothing_warns(pipe: rs.Node, match: str) -> str:
+    """Take an item with the warning made an error (the filter would read for ever): its message."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", rs.FilterWarning)
+        with pytest.raises(rs.FilterWarning, match=match) as raised:
+            take(pipe, 1)
+    return str(raised.value)
+
+
+def test_a_filter_keeping_nothing_of_an_endless_upstream_warns() -> None:
     pipe = rs.from_list(list(range(10))).shuffle(seed=1).repeat().filter(lambda x: x > 100)
-    with pytest.raises(rs.SourceError, match=r"Filter: the predicate kept no item of epoch \d+ of its upstream"):
-        take(pipe, 1)
+    keeping_nothing_warns(pipe, r"Filter: the predicate kept no item of epoch \d+ of its endless upstream")
 
 
-def test_below_a_shard_the_error_names_no_stride() -> None:
+def test_below_a_shard_the_warning_names_no_stride() -> None:
     pipe = rs.from_list(list(range(10))).shard(rank=1, world_size=2).repeat().map(lambda x: x).filter(lambda x: False)
-    with pytest.raises(rs.SourceError, match=r"kept no item of epoch \d+ of its upstream") as raised:
-        take(pipe, 1)
-    assert "Stride" not in str(raised.value)
+    assert "Stride" not in keeping_nothing_warns(pipe, r"kept no item of epoch \d+ of its endless upstream")
 
 
-def test_a_rare_item_of_an_endless_upstream_is_still_found_epoch_after_epoch() -> None:
-    """Thousands of items dropped in a row, but every epoch keeps one: no error."""
+def test_the_warning_comes_once_and_the_filter_goes_on() -> None:
+    """A predicate keeping at random, now and then a whole epoch without a keep: one warning,
+    and the items kept after it."""
+    pipe = rs.from_list(list(range(10))).repeat().filter(lambda x: x == 3 and random.random() < 0.0005)
+    random.seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert take(pipe, 3) == [3, 3, 3]
+    assert [type(warning.message) for warning in caught] == [rs.FilterWarning]
+
+
+def test_a_rare_item_of_an_endless_upstream_is_found_epoch_after_epoch_without_a_warning() -> None:
+    """Thousands of items dropped in a row, but every epoch keeps one."""
     pipe = rs.from_list(list(range(3000))).shuffle(seed=2).repeat().filter(lambda x: x == 1234)
-    assert take(pipe, 4) == [1234] * 4
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", rs.FilterWarning)
+        assert take(pipe, 4) == [1234] * 4
 
 
-def test_after_a_restarting_mix_only_every_component_barren_is_an_error() -> None:
+def test_after_a_restarting_mix_only_every_component_barren_warns() -> None:
     def mix() -> rs.Node:
         return rs.mix({"a": rs.from_list(list(range(10))), "b": rs.from_list(list(range(10, 20)))}, on_end="restart")
 
-    assert take(mix().filter(lambda x: x >= 10), 25) == list(range(10, 20)) * 2 + list(range(10, 15))
-    with pytest.raises(rs.SourceError, match="kept no item of epoch .* of mix component"):
-        take(mix().filter(lambda x: x > 100), 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", rs.FilterWarning)
+        assert take(mix().filter(lambda x: x >= 10), 25) == list(range(10, 20)) * 2 + list(range(10, 15))
+    keeping_nothing_warns(mix().filter(lambda x: x > 100), "kept no item of epoch .* of mix component")

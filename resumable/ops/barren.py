@@ -2,8 +2,10 @@
 
 A streaming filter whose predicate drops every item, or a packer whose documents are all empty,
 after ``repeat()`` or a mix with ``on_end="restart"``, would never hand out another item. Such
-a node watches the record keys of what it drops in a row and fails once a whole upstream
-epoch has passed so: the same records come again in every later epoch.
+a node watches the record keys of what it drops in a row, and once a whole upstream epoch has
+passed so, the packer fails (documents without tokens come again in every later epoch) and the
+filter warns (a predicate may keep rarely or at random, and a shard's records change with the
+epoch, so a later epoch may still keep items).
 """
 
 from __future__ import annotations

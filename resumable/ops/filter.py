@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Sequence, TypeVar
 
 from resumable.core.keys import RecordKey
 from resumable.core.node import Node
 from resumable.core.state import require_count
-from resumable.errors import ConfigError, SourceError, stop_error
+from resumable.errors import ConfigError, FilterWarning, stop_error
 from resumable.ops.barren import BarrenEpochs
 
 T = TypeVar("T")
@@ -35,6 +36,7 @@ class Filter(Node[T]):
             raise ConfigError(f"{self.kind}: expected a callable predicate, got {type(predicate).__name__}")
         self.predicate = predicate
         self.dropped = 0
+        self._warned_barren = False
 
     def _next(self) -> T:
         upstream, predicate = self.upstream, self.predicate
@@ -50,21 +52,27 @@ class Filter(Node[T]):
                 return item
             self.dropped += 1
             in_a_row += 1
-            if in_a_row % BARREN_CHECK_EVERY == 0:
+            if in_a_row % BARREN_CHECK_EVERY == 0 and not self._warned_barren:
                 barren = barren or BarrenEpochs(upstream)
-                self._check_barren(barren, in_a_row)
+                self._warn_if_barren(barren, in_a_row)
 
-    def _check_barren(self, barren: BarrenEpochs, in_a_row: int) -> None:
-        """Fail instead of reading for ever when a whole epoch of an endless upstream (after
-        ``repeat()``, or a mix with ``on_end="restart"``) was dropped. Without record keys
-        (after a batch, say) there is no epoch to tell."""
+    def _warn_if_barren(self, barren: BarrenEpochs, in_a_row: int) -> None:
+        """Warn, once, when a whole epoch of an endless upstream (after ``repeat()``, or a mix
+        with ``on_end="restart"``) was dropped: a predicate that keeps nothing would read for
+        ever. Not an error: a predicate that keeps rarely, or at random, or a shard whose
+        records change with the epoch, may still keep items in later epochs. Without record
+        keys (after a batch, say) there is no epoch to tell."""
         key = self.upstream.last_key()
         since = None if key is None else barren.barren_since(key)
         if since is not None:
             epoch, where = since
-            raise SourceError(
-                f"{self.kind}: the predicate kept no item of epoch {epoch}{where} of its upstream "
-                f"({in_a_row} dropped in a row), and the upstream runs on, so no item can come"
+            self._warned_barren = True
+            warnings.warn(
+                FilterWarning(
+                    f"{self.kind}: the predicate kept no item of epoch {epoch}{where} of its endless upstream "
+                    f"({in_a_row} dropped in a row); if it keeps nothing at all, this filter reads for ever"
+                ),
+                stacklevel=2,
             )
 
     def _on_epoch_start(self) -> None:

@@ -18,10 +18,10 @@ from resumable.checkpoint import load_state, save_state
 from resumable.core.indexed import IndexedNode
 from resumable.core.node import Node
 from resumable.errors import (
+    BarrenEpochWarning,
     CacheWarning,
     ChunkCacheWarning,
     ConfigError,
-    FilterWarning,
     MapError,
     ResumableError,
     ResumableWarning,
@@ -43,7 +43,7 @@ __all__ = [
     "CacheWarning",
     "ChunkCacheWarning",
     "ConfigError",
-    "FilterWarning",
+    "BarrenEpochWarning",
     "IndexedNode",
     "MapError",
     "Node",

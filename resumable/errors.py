@@ -40,9 +40,9 @@ class ChunkCacheWarning(ResumableWarning):
     """The chunk cache directory cannot be written: this process reads without the disk tier."""
 
 
-class FilterWarning(ResumableWarning):
-    """A streaming filter has dropped a whole epoch of an endless upstream in a row: if its
-    predicate keeps nothing at all, it reads for ever."""
+class BarrenEpochWarning(ResumableWarning):
+    """A streaming filter or a packer has kept nothing of a whole epoch of an endless upstream
+    (``repeat()``, a restarting mix): if it keeps nothing at all, it reads for ever."""
 
 
 class MapError(ResumableError):

@@ -24,6 +24,7 @@ anywhere and maps in threads, which change nothing through ``next_epoch``/``star
 from __future__ import annotations
 
 import json
+import warnings
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -416,12 +417,13 @@ def check_chain(source: str, steps: list[Step], data: st.DataObject, sources: So
         return
     built.close()
     try:
-        with build() as pipe:
-            first = sum(1 for _ in zip(range(CAP + 1), pipe))
-        with build() as pipe:
-            expected = flat(loops(pipe, min(2 * first + 2, CAP)))
-    except rs.SourceError as error:  # a packer after a "restart" mix with nothing left to pack
-        assert "tokens to pack" in str(error), repr(error)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", rs.BarrenEpochWarning)
+            with build() as pipe:
+                first = sum(1 for _ in zip(range(CAP + 1), pipe))
+            with build() as pipe:
+                expected = flat(loops(pipe, min(2 * first + 2, CAP)))
+    except rs.BarrenEpochWarning:  # a packer or filter after a "restart" mix with nothing left
         return
     total = len(expected)
     with build() as pipe:
@@ -938,10 +940,11 @@ def test_a_prefetch_anywhere_and_threads_for_maps_change_nothing_across_epoch_ju
     if isinstance(try_build(build), rs.ResumableError) or isinstance(try_build(build_threaded), rs.ResumableError):
         return
     try:
-        with build() as pipe:
-            expected = run_ops(pipe, ops)
-    except rs.SourceError as error:  # a packer after a "restart" mix with nothing left to pack
-        assert "tokens to pack" in str(error), repr(error)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", rs.BarrenEpochWarning)
+            with build() as pipe:
+                expected = run_ops(pipe, ops)
+    except rs.BarrenEpochWarning:  # a packer or filter after a "restart" mix with nothing left
         return
     with build_threaded() as pipe:
         assert run_ops(pipe, ops) == expected

@@ -1,9 +1,9 @@
 """Nodes that keep nothing of an endless upstream: a streaming filter, and the packer.
 
 After ``repeat()`` or a mix with ``on_end="restart"``, a streaming filter that dropped a whole
-upstream epoch in a row warns once with ``rs.FilterWarning`` (made an error, it stops the run
-instead of reading for ever), and the packer raises ``rs.SourceError`` when a whole epoch has no
-tokens (docs/filter.md, docs/packing.md). Here: pipelines that keep rarely but surely must never
+upstream epoch in a row warns once with ``rs.BarrenEpochWarning`` (made an error, it stops the run
+instead of reading for ever), and so does the packer when a whole epoch has no tokens
+(docs/filter.md, docs/packing.md). Here: pipelines that keep rarely but surely must never
 fail, and must not warn where every epoch keeps something; pipelines that can keep nothing must
 stop (the filter with its warning made an error), never hang: each run is guarded by a thread
 with a join timeout, and a predicate or map that ends the run once the guard gave up. Messages
@@ -116,37 +116,38 @@ def outcome(run: Callable[[], Any]) -> dict[str, Any]:
 def barren_filters_fail() -> Iterator[None]:
     """The documented way to stop a filter that keeps nothing: its warning made an error."""
     with warnings.catch_warnings():
-        warnings.simplefilter("error", rs.FilterWarning)
+        warnings.simplefilter("error", rs.BarrenEpochWarning)
         yield
 
 
-def failure(run: Callable[[], Any], kind: type[BaseException] = rs.SourceError) -> str:
-    """The message of the ``kind`` that ``run()`` raises (fails if it hangs, raises something
-    else or returns)."""
-    result = outcome(run)
+def failure(run: Callable[[], Any], kind: type[BaseException] = rs.BarrenEpochWarning) -> str:
+    """The message of the ``kind`` that ``run()`` raises, the barren-epoch warning made an
+    error (fails if it hangs, raises something else or returns)."""
+    with barren_filters_fail():
+        result = outcome(run)
     error = result.get("error")
     assert isinstance(error, kind), f"expected {kind.__name__}, got {result!r}"
     return str(error)
 
 
 def filter_failure(run: Callable[[], Any]) -> str:
-    """The message of the ``rs.FilterWarning`` that ``run()`` raises, the warning made an error."""
+    """The message of the ``rs.BarrenEpochWarning`` that ``run()`` raises, the warning made an error."""
     with barren_filters_fail():
-        return failure(run, rs.FilterWarning)
+        return failure(run, rs.BarrenEpochWarning)
 
 
 def kept(run: Callable[[], list[Any]]) -> tuple[list[int], int]:
-    """``run()``'s items as ints and how many ``rs.FilterWarning`` it gave, failing on any error
+    """``run()``'s items as ints and how many ``rs.BarrenEpochWarning`` it gave, failing on any error
     or a hang."""
     with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", rs.FilterWarning)
+        warnings.simplefilter("always", rs.BarrenEpochWarning)
         result = outcome(run)
     assert "error" not in result, f"raised {result['error']!r}"
-    return [value(item) for item in result["value"]], sum(isinstance(w.message, rs.FilterWarning) for w in caught)
+    return [value(item) for item in result["value"]], sum(isinstance(w.message, rs.BarrenEpochWarning) for w in caught)
 
 
 def values(run: Callable[[], list[Any]]) -> list[int]:
-    """``run()``'s items as ints; fails on any error, a hang or a ``rs.FilterWarning``: every
+    """``run()``'s items as ints; fails on any error, a hang or a ``rs.BarrenEpochWarning``: every
     epoch of these pipelines keeps an item."""
     items, warned = kept(run)
     assert warned == 0, "a filter whose every epoch keeps an item warned"
@@ -337,21 +338,16 @@ def test_through_the_loader_dropped_whole_stops(
     options: dict[str, Any] = {"timeout": GUARD_SECONDS} if num_workers else {}
     with barren_filters_fail():
         loader = Loader(build, num_workers=num_workers, **options)
-        message = failure(lambda: next(iter(loader)), rs.FilterWarning if start == "Filter: " else rs.SourceError)
+        message = failure(lambda: next(iter(loader)), rs.BarrenEpochWarning)
     assert_names_no_internals(message.split("Original Traceback")[-1].splitlines()[-1])
     assert start + ("the predicate kept no item" if start == "Filter: " else "no document of epoch") in message
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: once its warning was made an error, a barren filter called again reads for ever "
-    "(the flag that makes it warn once is set before the warning raises), as a Loader worker does",
-)
 def test_a_filter_stopped_by_its_warning_stops_again_when_called_again() -> None:
     pipe = numbers(40).repeat().filter(Never())
     with barren_filters_fail():
-        first = failure(lambda: take(pipe, 1), rs.FilterWarning)
-        again = failure(lambda: next(pipe), rs.FilterWarning)
+        first = failure(lambda: take(pipe, 1), rs.BarrenEpochWarning)
+        again = failure(lambda: next(pipe), rs.BarrenEpochWarning)
     assert first.startswith("Filter: the predicate kept no item") and again.startswith(first[:30])
 
 
@@ -360,10 +356,10 @@ def test_a_filter_warns_once_and_reads_on() -> None:
     until its predicate gives up)."""
     pipe = numbers(40).repeat().filter(Never())
     with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", rs.FilterWarning)
+        warnings.simplefilter("always", rs.BarrenEpochWarning)
         result = outcome(lambda: take(pipe, 1))
     assert isinstance(result.get("error"), _Stopped), result
-    messages = [str(w.message) for w in caught if isinstance(w.message, rs.FilterWarning)]
+    messages = [str(w.message) for w in caught if isinstance(w.message, rs.BarrenEpochWarning)]
     assert len(messages) == 1 and messages[0].startswith("Filter: the predicate kept no item of epoch"), messages
     assert_names_no_internals(messages[0])
 
@@ -506,11 +502,6 @@ def test_a_rare_record_that_moves_between_consumers_is_kept_with_one_warning_at_
     assert warned <= 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: the packer raises 'no document of epoch' on a consumer of a shuffle+shard whose "
-    "epochs hold the one document with tokens only now and then",
-)
 def test_a_packer_on_a_consumer_with_tokens_in_some_epochs_only() -> None:
     docs = documents(3000, lambda i: i == RARE)
     pipe = rs.from_list(docs).shuffle(seed=0).shard(0, 4).repeat().map(watched).pack(4)
@@ -518,11 +509,6 @@ def test_a_packer_on_a_consumer_with_tokens_in_some_epochs_only() -> None:
     assert "error" not in rows, rows
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: the packer raises 'no document of epoch' on a consumer of a jsonl_stream with "
-    "shuffle_files whose file with tokens reaches it only now and then",
-)
 def test_a_packer_on_a_stream_consumer_with_tokens_in_some_epochs_only() -> None:
     docs = documents(1200, lambda i: i == RARE)
     stream = stream_source("jsonl_stream", docs, files=12, shuffle_files=0, rank=1, world_size=4)
@@ -546,11 +532,6 @@ def loader_rare_pack() -> rs.Node[Any]:
     return rs.from_list(documents(3000, lambda i: i == RARE)).shuffle(seed=0).shard().repeat().pack(4)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a Loader worker's packer raises SourceError 'no document of epoch' though the "
-    "document with tokens reaches that worker in later epochs",
-)
 def test_a_loader_with_two_workers_over_rare_tokens() -> None:
     loader = Loader(loader_rare_pack, num_workers=2, timeout=GUARD_SECONDS)
     iterator = iter(loader)
@@ -576,21 +557,11 @@ def test_nested_mixes_whose_inner_component_keeps_rarely_keep_it() -> None:
     assert items == [RARE] * 3
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: after nested mixes the filter warns (an error if made one) once one inner component "
-    "is barren, though another inner component keeps an item every epoch",
-)
 def test_nested_mixes_whose_inner_component_keeps_every_epoch_do_not_warn() -> None:
     with barren_filters_fail():
         assert values(lambda: take(nested_rare().filter(is_rare), 3)) == [RARE] * 3
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: after nested mixes the packer raises 'no document of epoch .. of mix component x/c' "
-    "while inner component x/d still has documents with tokens",
-)
 def test_a_packer_after_nested_mixes_whose_inner_component_has_rare_tokens() -> None:
     docs = documents(3000, lambda i: i == RARE)
     empty = documents(10, lambda i: False)

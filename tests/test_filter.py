@@ -45,8 +45,8 @@ def test_filter_rejects_non_callable() -> None:
 def keeping_nothing_warns(pipe: rs.Node, match: str) -> str:
     """Take an item with the warning made an error (the filter would read for ever): its message."""
     with warnings.catch_warnings():
-        warnings.simplefilter("error", rs.FilterWarning)
-        with pytest.raises(rs.FilterWarning, match=match) as raised:
+        warnings.simplefilter("error", rs.BarrenEpochWarning)
+        with pytest.raises(rs.BarrenEpochWarning, match=match) as raised:
             take(pipe, 1)
     return str(raised.value)
 
@@ -69,14 +69,14 @@ def test_the_warning_comes_once_and_the_filter_goes_on() -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert take(pipe, 3) == [3, 3, 3]
-    assert [type(warning.message) for warning in caught] == [rs.FilterWarning]
+    assert [type(warning.message) for warning in caught] == [rs.BarrenEpochWarning]
 
 
 def test_a_rare_item_of_an_endless_upstream_is_found_epoch_after_epoch_without_a_warning() -> None:
     """Thousands of items dropped in a row, but every epoch keeps one."""
     pipe = rs.from_list(list(range(3000))).shuffle(seed=2).repeat().filter(lambda x: x == 1234)
     with warnings.catch_warnings():
-        warnings.simplefilter("error", rs.FilterWarning)
+        warnings.simplefilter("error", rs.BarrenEpochWarning)
         assert take(pipe, 4) == [1234] * 4
 
 
@@ -85,6 +85,6 @@ def test_after_a_restarting_mix_only_every_component_barren_warns() -> None:
         return rs.mix({"a": rs.from_list(list(range(10))), "b": rs.from_list(list(range(10, 20)))}, on_end="restart")
 
     with warnings.catch_warnings():
-        warnings.simplefilter("error", rs.FilterWarning)
+        warnings.simplefilter("error", rs.BarrenEpochWarning)
         assert take(mix().filter(lambda x: x >= 10), 25) == list(range(10, 20)) * 2 + list(range(10, 15))
     keeping_nothing_warns(mix().filter(lambda x: x > 100), "kept no item of epoch .* of mix component")

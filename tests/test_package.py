@@ -57,5 +57,11 @@ def test_every_warning_class_of_the_package_is_an_exported_resumable_warning() -
         for value in vars(module).values():
             if isinstance(value, type) and issubclass(value, Warning) and value.__module__.startswith("resumable"):
                 found.add(value)
-    assert found == {rs.ResumableWarning, rs.SidecarWarning, rs.CacheWarning, rs.ChunkCacheWarning, rs.FilterWarning}
+    assert found == {
+        rs.ResumableWarning,
+        rs.SidecarWarning,
+        rs.CacheWarning,
+        rs.ChunkCacheWarning,
+        rs.BarrenEpochWarning,
+    }
     assert all(issubclass(kind, rs.ResumableWarning) and getattr(rs, kind.__name__) is kind for kind in found)

@@ -41,20 +41,33 @@ class BarrenEpochs:
         if epoch <= span[0] + 1:
             return None
         names = _component_names(origin)
-        mix = self._upstream_mix()
+        mix = _mix_below(self._upstream)
         if names and mix is not None:
-            barren = {_component_names(path)[:1] for path, (start, latest) in self._spans.items() if latest > start + 1}
-            if not {(name,) for name in mix.eligible} <= barren:
+            barren = {_component_names(path) for path, (start, latest) in self._spans.items() if latest > start + 1}
+            if not _all_barren(mix, (), barren):
                 return None
         where = f" of mix component {'/'.join(map(str, names))}" if names else ""
         return span[0] + 1, where
 
-    def _upstream_mix(self) -> Mix[Any] | None:
-        """The mix the items come from, through pass-through nodes, if any."""
-        node: Node[Any] | None = self._upstream
-        while node is not None and not isinstance(node, Mix):
-            node = node.upstream
-        return node
+
+def _mix_below(node: Node[Any] | None) -> Mix[Any] | None:
+    """The mix ``node``'s items come from, through pass-through nodes, if any."""
+    while node is not None and not isinstance(node, Mix):
+        node = node.upstream
+    return node
+
+
+def _all_barren(mix: Mix[Any], prefix: RecordKey, barren: set[RecordKey]) -> bool:
+    """Whether every component ``mix`` still chooses from has had a barren epoch: a component
+    that is itself a mix (nested) when every one of its own has."""
+    for name in mix.eligible:
+        path = (*prefix, name)
+        if path in barren:
+            continue
+        inner = _mix_below(mix.components[name])
+        if inner is None or not _all_barren(inner, path, barren):
+            return False
+    return True
 
 
 def _component_names(origin: RecordKey) -> RecordKey:

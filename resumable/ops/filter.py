@@ -8,7 +8,7 @@ from typing import Any, Callable, Sequence, TypeVar
 from resumable.core.keys import RecordKey
 from resumable.core.node import Node
 from resumable.core.state import require_count
-from resumable.errors import ConfigError, FilterWarning, stop_error
+from resumable.errors import BarrenEpochWarning, ConfigError, stop_error
 from resumable.ops.barren import BarrenEpochs
 
 T = TypeVar("T")
@@ -66,14 +66,14 @@ class Filter(Node[T]):
         since = None if key is None else barren.barren_since(key)
         if since is not None:
             epoch, where = since
-            self._warned_barren = True
             warnings.warn(
-                FilterWarning(
+                BarrenEpochWarning(
                     f"{self.kind}: the predicate kept no item of epoch {epoch}{where} of its endless upstream "
                     f"({in_a_row} dropped in a row); if it keeps nothing at all, this filter reads for ever"
                 ),
                 stacklevel=2,
             )
+            self._warned_barren = True  # once it returned: made an error, it raises again next time
 
     def _on_epoch_start(self) -> None:
         self.dropped = 0

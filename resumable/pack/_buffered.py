@@ -5,6 +5,7 @@ bounded strategy groups into rows, and every piece still held is saved by refere
 from __future__ import annotations
 
 import copy
+import warnings
 from collections import deque
 from functools import partial
 from itertools import chain
@@ -15,7 +16,7 @@ import numpy as np
 from resumable.core.indexed import IndexedNode
 from resumable.core.keys import RecordKey, Stride, saved_prefix
 from resumable.core.state import require
-from resumable.errors import ConfigError, SourceError, StateError
+from resumable.errors import BarrenEpochWarning, ConfigError, StateError
 from resumable.ops.barren import BarrenEpochs
 from resumable.ops.filter import Filter
 from resumable.ops.map import Map
@@ -123,6 +124,7 @@ class BufferedRows:
         # After a restore: fetches the records of restored pieces as their rows are handed out.
         self._fetcher: Refetcher | None = None
         self._barren = BarrenEpochs(upstream)  # the epochs of the documents without tokens in a row
+        self._warned_barren = False
 
     # -- iteration ---------------------------------------------------------------------------
 
@@ -228,17 +230,25 @@ class BufferedRows:
             self._ready_slots = None
 
     def _check_barren(self, key: RecordKey) -> None:
-        """Fail instead of spinning forever when a whole upstream epoch gives no tokens (every
-        document empty or dropped): after ``repeat()`` no row would ever come."""
+        """Warn, once, when a whole epoch of an endless upstream gives no tokens (every document
+        empty or dropped): if none ever does, no row comes. Not an error: a rank whose shard of
+        a shuffled source changes with the epoch may still get tokens in a later one."""
+        if self._warned_barren:
+            return
         barren = self._barren.barren_since(key)
         if barren is None:
             return
         epoch, where = barren
         documents = self._documents
-        raise SourceError(
-            f"{documents.kind}: no document of epoch {epoch}{where} has tokens to pack (all are empty"
-            f"{' or dropped as longer than seq_len' if documents.overlong == 'drop' else ''}), so no row can come"
+        warnings.warn(
+            BarrenEpochWarning(
+                f"{documents.kind}: no document of epoch {epoch}{where} has tokens to pack (all are empty"
+                f"{' or dropped as longer than seq_len' if documents.overlong == 'drop' else ''}); if no document "
+                "of its endless upstream has any, no row ever comes"
+            ),
+            stacklevel=2,
         )
+        self._warned_barren = True  # once it returned: made an error, it raises again next time
 
     def _documents_of(self, held: list[Piece]) -> list[Document]:
         """The documents of a row's pieces, fetching those a restore left unfetched."""

@@ -147,9 +147,14 @@ class Holder:
     [
         lambda: {"a": torch.arange(3), "b": torch.arange(4), "held": Holder(torch.arange(2))},
         lambda: {"a": torch.arange(3), "b": torch.arange(4), "set": {1, 2}},
+        lambda: {
+            "a": torch.arange(3),
+            "b": torch.arange(4),
+            "objects": np.array([torch.arange(2), None], dtype=object),
+        },
         lambda: (lambda shared: {"a": torch.arange(3), "x": shared, "y": shared})([torch.arange(4)]),
     ],
-    ids=["object", "set", "container-twice"],
+    ids=["object", "set", "object-array", "container-twice"],
 )
 def test_a_batch_whose_every_tensor_cannot_be_seen_goes_whole_as_torch_sends_it(make: Any) -> None:
     batch = make()

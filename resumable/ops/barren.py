@@ -3,17 +3,19 @@
 A streaming filter whose predicate drops every item, or a packer whose documents are all empty,
 after ``repeat()`` or a mix with ``on_end="restart"``, would never hand out another item. Such
 a node watches the record keys of what it drops in a row, and once a whole upstream epoch has
-passed so, the packer fails (documents without tokens come again in every later epoch) and the
-filter warns (a predicate may keep rarely or at random, and a shard's records change with the
-epoch, so a later epoch may still keep items).
+passed so, it warns, once (``BarrenEpochWarning``). Not an error: a predicate may keep rarely
+or at random, and a rank's shard of a shuffled source changes with the epoch, so a later epoch
+may still keep items.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from resumable.core.keys import RecordKey, Stride
 from resumable.core.node import Node
+from resumable.errors import BarrenEpochWarning
 from resumable.ops.mix import Mix
 
 
@@ -27,10 +29,25 @@ class BarrenEpochs:
     def __init__(self, upstream: Node[Any]) -> None:
         self._upstream = upstream
         self._spans: dict[RecordKey, list[int]] = {}  # origin -> [first epoch seen, latest]
+        self._warned = False
 
     def clear(self) -> None:
         """An item was kept: the run of dropped ones is over."""
         self._spans.clear()
+
+    def warn_once(self, key: RecordKey, message: str) -> None:
+        """After dropping the item of ``key``: the first time a whole epoch has passed so, warn
+        with ``message``, its ``{epoch}`` and ``{where}`` filled in (the first barren epoch, the
+        mix component it belongs to). Made an error, the warning is raised again at each call
+        until one returns."""
+        if self._warned:
+            return
+        since = self.barren_since(key)
+        if since is None:
+            return
+        epoch, where = since
+        warnings.warn(BarrenEpochWarning(message.format(epoch=epoch, where=where)), stacklevel=3)
+        self._warned = True
 
     def barren_since(self, key: RecordKey) -> tuple[int, str] | None:
         """After dropping the item of ``key``: the first epoch of which nothing was kept and a

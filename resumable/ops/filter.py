@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Callable, Sequence, TypeVar
 
 from resumable.core.keys import RecordKey
 from resumable.core.node import Node
 from resumable.core.state import require_count
-from resumable.errors import BarrenEpochWarning, ConfigError, stop_error
+from resumable.errors import ConfigError, stop_error
 from resumable.ops.barren import BarrenEpochs
 
 T = TypeVar("T")
@@ -36,12 +35,11 @@ class Filter(Node[T]):
             raise ConfigError(f"{self.kind}: expected a callable predicate, got {type(predicate).__name__}")
         self.predicate = predicate
         self.dropped = 0
-        self._warned_barren = False
+        self._barren = BarrenEpochs(self.upstream)  # the epochs of the items dropped in a row
 
     def _next(self) -> T:
         upstream, predicate = self.upstream, self.predicate
         in_a_row = 0
-        barren: BarrenEpochs | None = None
         while True:
             item: T = next(upstream)
             try:
@@ -52,28 +50,24 @@ class Filter(Node[T]):
                 return item
             self.dropped += 1
             in_a_row += 1
-            if in_a_row % BARREN_CHECK_EVERY == 0 and not self._warned_barren:
-                barren = barren or BarrenEpochs(upstream)
-                self._warn_if_barren(barren, in_a_row)
+            if in_a_row % BARREN_CHECK_EVERY == 0:
+                self._check_barren(in_a_row)
 
-    def _warn_if_barren(self, barren: BarrenEpochs, in_a_row: int) -> None:
+    def _check_barren(self, in_a_row: int) -> None:
         """Warn, once, when a whole epoch of an endless upstream (after ``repeat()``, or a mix
-        with ``on_end="restart"``) was dropped: a predicate that keeps nothing would read for
-        ever. Not an error: a predicate that keeps rarely, or at random, or a shard whose
-        records change with the epoch, may still keep items in later epochs. Without record
-        keys (after a batch, say) there is no epoch to tell."""
+        with ``on_end="restart"``) was dropped in a row: a predicate that keeps nothing would
+        read for ever (``barren.py``). Looked at every ``BARREN_CHECK_EVERY`` drops in a row, so
+        a kept item costs nothing here; without record keys (after a batch, say) there is no
+        epoch to tell."""
+        if in_a_row == BARREN_CHECK_EVERY:  # a new run of dropped items
+            self._barren.clear()
         key = self.upstream.last_key()
-        since = None if key is None else barren.barren_since(key)
-        if since is not None:
-            epoch, where = since
-            warnings.warn(
-                BarrenEpochWarning(
-                    f"{self.kind}: the predicate kept no item of epoch {epoch}{where} of its endless upstream "
-                    f"({in_a_row} dropped in a row); if it keeps nothing at all, this filter reads for ever"
-                ),
-                stacklevel=2,
+        if key is not None:
+            self._barren.warn_once(
+                key,
+                f"{self.kind}: the predicate kept no item of epoch {{epoch}}{{where}} of its endless upstream "
+                f"({in_a_row} dropped in a row); if it keeps nothing at all, this filter reads for ever",
             )
-            self._warned_barren = True  # once it returned: made an error, it raises again next time
 
     def _on_epoch_start(self) -> None:
         self.dropped = 0

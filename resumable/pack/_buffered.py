@@ -5,7 +5,6 @@ bounded strategy groups into rows, and every piece still held is saved by refere
 from __future__ import annotations
 
 import copy
-import warnings
 from collections import deque
 from functools import partial
 from itertools import chain
@@ -16,7 +15,7 @@ import numpy as np
 from resumable.core.indexed import IndexedNode
 from resumable.core.keys import RecordKey, Stride, saved_prefix
 from resumable.core.state import require
-from resumable.errors import BarrenEpochWarning, ConfigError, StateError
+from resumable.errors import ConfigError, StateError
 from resumable.ops.barren import BarrenEpochs
 from resumable.ops.filter import Filter
 from resumable.ops.map import Map
@@ -124,7 +123,6 @@ class BufferedRows:
         # After a restore: fetches the records of restored pieces as their rows are handed out.
         self._fetcher: Refetcher | None = None
         self._barren = BarrenEpochs(upstream)  # the epochs of the documents without tokens in a row
-        self._warned_barren = False
 
     # -- iteration ---------------------------------------------------------------------------
 
@@ -231,24 +229,14 @@ class BufferedRows:
 
     def _check_barren(self, key: RecordKey) -> None:
         """Warn, once, when a whole epoch of an endless upstream gives no tokens (every document
-        empty or dropped): if none ever does, no row comes. Not an error: a rank whose shard of
-        a shuffled source changes with the epoch may still get tokens in a later one."""
-        if self._warned_barren:
-            return
-        barren = self._barren.barren_since(key)
-        if barren is None:
-            return
-        epoch, where = barren
+        empty or dropped): if none ever does, no row comes (``barren.py``)."""
         documents = self._documents
-        warnings.warn(
-            BarrenEpochWarning(
-                f"{documents.kind}: no document of epoch {epoch}{where} has tokens to pack (all are empty"
-                f"{' or dropped as longer than seq_len' if documents.overlong == 'drop' else ''}); if no document "
-                "of its endless upstream has any, no row ever comes"
-            ),
-            stacklevel=2,
+        self._barren.warn_once(
+            key,
+            f"{documents.kind}: no document of epoch {{epoch}}{{where}} has tokens to pack (all are empty"
+            f"{' or dropped as longer than seq_len' if documents.overlong == 'drop' else ''}); if no document "
+            "of its endless upstream has any, no row ever comes",
         )
-        self._warned_barren = True  # once it returned: made an error, it raises again next time
 
     def _documents_of(self, held: list[Piece]) -> list[Document]:
         """The documents of a row's pieces, fetching those a restore left unfetched."""

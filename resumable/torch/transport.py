@@ -50,8 +50,9 @@ def for_transport(batch: Any) -> Any:
     found: dict[int, torch.Tensor] = {}
     if not _collect(batch, found, set()):
         return batch
-    storages = Counter(_storage_of(tensor) for tensor in found.values())
-    tensors = [tensor for tensor in found.values() if _moves(tensor) and storages[_storage_of(tensor)] == 1]
+    storage = {key: _storage_of(tensor) for key, tensor in found.items()}
+    sharing = Counter(storage.values())
+    tensors = [tensor for key, tensor in found.items() if _moves(tensor) and sharing[storage[key]] == 1]
     if not tensors:
         return batch
     if sum(tensor.nbytes for tensor in tensors) <= INLINE_BYTES:
@@ -118,7 +119,7 @@ def _is_container(value: Any) -> bool:
     return kind is dict or kind is list or kind is tuple or (issubclass(kind, tuple) and hasattr(kind, "_fields"))
 
 
-_PLAIN = frozenset({str, bytes, int, float, bool, complex, type(None), np.ndarray})
+_PLAIN = frozenset({str, bytes, int, float, bool, complex, type(None)})
 
 
 def _collect(value: Any, tensors: dict[int, torch.Tensor], containers: set[int]) -> bool:
@@ -129,6 +130,8 @@ def _collect(value: Any, tensors: dict[int, torch.Tensor], containers: set[int])
         return True
     if type(value) in _PLAIN or isinstance(value, np.generic):
         return True
+    if type(value) is np.ndarray:  # an array of objects may hold tensors, out of view
+        return not value.dtype.hasobject
     if not (type(value) is dict or _is_container(value)) or id(value) in containers:
         return False
     containers.add(id(value))

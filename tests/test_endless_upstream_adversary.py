@@ -211,15 +211,21 @@ BELOW = {
 }
 
 
-@pytest.mark.parametrize("below", list(BELOW))
-def test_below_any_node_dropped_whole_warns(below: str) -> None:
-    pipe = BELOW[below]().filter(never)
+def dropped_whole(upstream: rs.Node[Any]) -> str:
+    """The message of the warning (made an error) of a filter keeping nothing of ``upstream``."""
+    pipe = upstream.filter(never)
     try:
         message = filter_failure(lambda: take(pipe, 1))
     finally:
         pipe.close()
     assert_names_no_internals(message)
     assert message.startswith("Filter: the predicate kept no item of epoch"), message
+    return message
+
+
+@pytest.mark.parametrize("below", list(BELOW))
+def test_below_any_node_dropped_whole_warns(below: str) -> None:
+    dropped_whole(BELOW[below]())
 
 
 def nested_restart() -> rs.Node[Any]:
@@ -254,13 +260,7 @@ MIXES = {
 
 @pytest.mark.parametrize("name", list(MIXES))
 def test_a_mix_dropped_whole_warns_naming_a_component(name: str) -> None:
-    pipe = MIXES[name]().filter(never)
-    try:
-        message = filter_failure(lambda: take(pipe, 1))
-    finally:
-        pipe.close()
-    assert_names_no_internals(message)
-    assert message.startswith("Filter: the predicate kept no item of epoch"), message
+    message = dropped_whole(MIXES[name]())
     assert " of mix component " in message, message
 
 

@@ -622,16 +622,7 @@ def tensor_payload(record: Any) -> dict[str, Any]:
     return {"i": record["i"], "x": torch.zeros(1 << 15, dtype=torch.float64)}  # 256 KiB
 
 
-@pytest.mark.parametrize(
-    "make",
-    [
-        pytest.param(numpy_payload, id="numpy"),
-        pytest.param(
-            tensor_payload,
-            id="tensor",
-        ),
-    ],
-)
+@pytest.mark.parametrize("make", [numpy_payload, tensor_payload], ids=["numpy", "tensor"])
 def test_max_bytes_bounds_a_memory_cache_of_large_arrays_and_tensors(
     make: Callable[[Any], Any], files: dict[str, str]
 ) -> None:
@@ -658,19 +649,7 @@ def edit_void(record: dict[str, Any]) -> dict[str, Any]:
     return record
 
 
-@pytest.mark.parametrize(
-    "edit",
-    [
-        pytest.param(
-            edit_object_array,
-            id="object-array-element",
-        ),
-        pytest.param(
-            edit_void,
-            id="structured-scalar",
-        ),
-    ],
-)
+@pytest.mark.parametrize("edit", [edit_object_array, edit_void], ids=["object-array-element", "structured-scalar"])
 def test_a_memory_cache_shares_no_mutable_part_of_an_odd_value(
     edit: Callable[[Any], Any], files: dict[str, str]
 ) -> None:
@@ -767,26 +746,11 @@ def long_double_scalar(i: int) -> Any:
 @pytest.mark.parametrize(
     "make",
     [
-        pytest.param(
-            big_endian,
-            id="big-endian-array",
-        ),
-        pytest.param(
-            long_double,
-            id="longdouble-array",
-        ),
-        pytest.param(
-            long_double_scalar,
-            id="longdouble-scalar",
-        ),
-        pytest.param(
-            surrogate_str,
-            id="surrogate-str",
-        ),
-        pytest.param(
-            surrogates_in_a_list,
-            id="surrogate-in-a-list",
-        ),
+        pytest.param(big_endian, id="big-endian-array"),
+        pytest.param(long_double, id="longdouble-array"),
+        pytest.param(long_double_scalar, id="longdouble-scalar"),
+        pytest.param(surrogate_str, id="surrogate-str"),
+        pytest.param(surrogates_in_a_list, id="surrogate-in-a-list"),
     ],
 )
 def test_a_disk_cache_stores_a_value_as_computed_or_refuses_it_with_a_config_error(

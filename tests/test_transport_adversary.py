@@ -403,10 +403,7 @@ def unbound(tensor: torch.Tensor) -> list[list[Any]]:
         pytest.param(0, id="conjugate-inline"),
         pytest.param(1, id="conjugate-segment"),
         pytest.param(2, id="nested-inline"),
-        pytest.param(
-            3,
-            id="nested-segment",
-        ),
+        pytest.param(3, id="nested-segment"),
     ],
 )
 def test_a_conjugate_view_or_a_nested_tensor_arrives_with_its_values(record: int) -> None:

@@ -277,8 +277,10 @@ def plain_passes(
     return passes
 
 
-def torch_shm() -> set[str]:
-    return set(glob.glob("/dev/shm/torch_*"))
+def torch_shm(pids: set[int]) -> set[str]:
+    """torch's segment files made by these processes (``torch_<pid>_...``): other tests may run
+    beside this one in other processes."""
+    return {path for path in glob.glob("/dev/shm/torch_*") if int(os.path.basename(path).split("_")[1]) in pids}
 
 
 def open_fds() -> int:
@@ -611,10 +613,11 @@ def test_a_closed_loader_leaves_no_segment_and_no_descriptor_behind(sharing_stra
     build = pipeline_of(records)
     (expected,) = plain_passes(build, 1)  # also opens what the strategy keeps for the process
     gc.collect()
-    fds, files = open_fds(), torch_shm()
+    fds = open_fds()
     with Loader(build, num_workers=2, collate_fn=made) as loader:
         received = list(loader)
-        held_fds, held_files = open_fds() - fds, torch_shm() - files
+        ours = {os.getpid(), *(worker.pid for worker in loader._iterator._workers)}  # torch's, for their pids
+        held_fds, held_files = open_fds() - fds, torch_shm(ours)
     assert len(received) == len(expected) == len(records)
     for record, got, want in zip(records, received, expected):
         same(got, want, f"record {record}")
@@ -624,7 +627,7 @@ def test_a_closed_loader_leaves_no_segment_and_no_descriptor_behind(sharing_stra
     else:
         assert held_fds > 0 and not held_files  # and descriptors here
     del received, got
-    assert settled(lambda: not torch_shm() - files), sorted(torch_shm() - files)
+    assert settled(lambda: not torch_shm(ours)), sorted(torch_shm(ours))
     assert settled(lambda: open_fds() == fds), (open_fds(), fds)
 
 

@@ -107,6 +107,22 @@ def check_resume(build: Build, k: int, total: int, k2: int | None = None) -> Non
     assert head + middle + take(again, total - k2) == expected
 
 
+LOADER_TIMEOUT = 60
+"""Seconds: a Loader worker that never answers fails the test instead of hanging it."""
+
+LOADER_CONFIGS: dict[str, dict[str, Any]] = {
+    "0-workers": {"num_workers": 0},
+    "2-workers": {"num_workers": 2, "timeout": LOADER_TIMEOUT},
+    "2-persistent": {"num_workers": 2, "persistent_workers": True, "timeout": LOADER_TIMEOUT},
+}
+"""``rs.torch.Loader`` options by name: no workers, fresh workers and persistent ones."""
+
+
+def loader_epoch(loader: Any) -> list[Any]:
+    """One pass of ``loader`` (an ``rs.torch.Loader``), its batches as plain data."""
+    return [plain(batch) for batch in loader]
+
+
 def loader_batches(loader: Any, stop: int | None = None) -> tuple[list[list[int]], Any]:
     """The batches of ``loader`` (an ``rs.torch.Loader``) as lists of ints, until the epoch ends
     or ``stop`` batches were taken; with ``stop``, also the loader's state then, through JSON."""

@@ -44,7 +44,7 @@ import resumable.torch as rst
 from resumable import Node
 from resumable.ops import disk_cache
 from resumable.ops.cache import LRU, Cache, CacheWarning, _survey, cache
-from tests.resume import flat, loops, plain, roundtrip, take
+from tests.resume import LOADER_CONFIGS, flat, loader_epoch, loops, plain, roundtrip, take
 
 pytestmark = [pytest.mark.filterwarnings("ignore:This DataLoader will create")]
 
@@ -699,17 +699,6 @@ def loader_reference() -> Node[Any]:
     return rs.from_list(list(range(SIZE))).map(tokens).shuffle(6).shard().map(x_only).filter(not_3_mod_4).batch(2)
 
 
-LOADER_CONFIGS: dict[str, dict[str, Any]] = {
-    "0-workers": {"num_workers": 0},
-    "2-workers": {"num_workers": 2, "timeout": TIMEOUT},
-    "2-persistent": {"num_workers": 2, "persistent_workers": True, "timeout": TIMEOUT},
-}
-
-
-def epoch_of(loader: rst.Loader) -> list[Any]:
-    return [plain(batch) for batch in loader]
-
-
 @pytest.mark.parametrize("config", list(LOADER_CONFIGS))
 def test_a_cache_under_a_loader_resumes_exactly_across_epochs(config: str, tmp_path: Path) -> None:
     """A disk cache that the workers fill together (cold, then warm) and a memory cache of one
@@ -717,7 +706,7 @@ def test_a_cache_under_a_loader_resumes_exactly_across_epochs(config: str, tmp_p
     epoch, restored twice, continues them."""
     options = LOADER_CONFIGS[config]
     with rst.Loader(loader_reference, **options) as reference:
-        expected = [epoch_of(reference) for _ in range(3)]
+        expected = [loader_epoch(reference) for _ in range(3)]
     assert all(expected) and expected[0] != expected[1]
     directory = str(tmp_path / "c")
     builds = {
@@ -726,9 +715,9 @@ def test_a_cache_under_a_loader_resumes_exactly_across_epochs(config: str, tmp_p
     }
     for name, build in builds.items():
         with rst.Loader(build, **options) as loader:
-            assert [epoch_of(loader) for _ in range(3)] == expected, name
+            assert [loader_epoch(loader) for _ in range(3)] == expected, name
         with rst.Loader(build, **options) as loader:
-            epoch_of(loader)
+            loader_epoch(loader)
             iterator = iter(loader)
             head = [plain(next(iterator)) for _ in range(2)]
             state = json.loads(json.dumps(loader.state_dict()))
@@ -741,8 +730,8 @@ def test_a_cache_under_a_loader_resumes_exactly_across_epochs(config: str, tmp_p
             del nxt
         with rst.Loader(build, **options) as second:
             second.load_state_dict(again)
-            assert [*head, one, *epoch_of(second)] == expected[1], name
-            assert epoch_of(second) == expected[2], name
+            assert [*head, one, *loader_epoch(second)] == expected[1], name
+            assert loader_epoch(second) == expected[2], name
     warm = cache(rs.from_list(list(range(SIZE))).map(tokens), directory, block_size=2)
     assert records(warm) == [plain(tokens(x)) for x in range(SIZE)]
     assert warm.computed == 0  # the workers wrote every block

@@ -35,7 +35,7 @@ import pytest
 import resumable as rs
 import resumable.torch as rst
 from resumable import Node
-from tests.resume import flat, loops, plain, roundtrip, scribble
+from tests.resume import LOADER_CONFIGS, flat, loader_epoch, loops, plain, roundtrip, scribble
 from tests.sources import INDEXED_KINDS, STREAM_KINDS, indexed_source, stream_source
 
 pytestmark = [pytest.mark.filterwarnings("ignore:This DataLoader will create")]
@@ -635,15 +635,6 @@ def loader_chain_stream(kind: str = "jsonl_stream") -> Node[Any]:
 
 
 LOADER_CHAINS = {"threads": loader_chain_threads, "repeat-ragged": loader_chain_repeat, "stream": loader_chain_stream}
-LOADER_CONFIGS = {
-    "0-workers": {"num_workers": 0},
-    "2-workers": {"num_workers": 2, "timeout": TIMEOUT},
-    "2-persistent": {"num_workers": 2, "persistent_workers": True, "timeout": TIMEOUT},
-}
-
-
-def epoch_of(loader: rst.Loader) -> list[Any]:
-    return [plain(batch) for batch in loader]
 
 
 @pytest.mark.parametrize("config", list(LOADER_CONFIGS))
@@ -651,7 +642,7 @@ def epoch_of(loader: rst.Loader) -> list[Any]:
 def test_a_loader_cut_at_an_edge_resumes_exactly_across_epochs(chain: str, config: str) -> None:
     build, options = LOADER_CHAINS[chain], LOADER_CONFIGS[config]
     with rst.Loader(build, **options) as reference:
-        expected = [epoch_of(reference) for _ in range(3)]
+        expected = [loader_epoch(reference) for _ in range(3)]
     assert all(expected) and expected[0] != expected[1]
     if chain == "repeat-ragged":  # numpy arrays became tensors; batches hold whole dicts
         assert all(len(batch) == 3 for epoch in expected for batch in epoch)
@@ -663,7 +654,7 @@ def test_a_loader_cut_at_an_edge_resumes_exactly_across_epochs(chain: str, confi
     for epoch, taken in cuts:
         with rst.Loader(build, **options) as loader:
             for _ in range(epoch):
-                epoch_of(loader)
+                loader_epoch(loader)
             iterator = iter(loader)
             if taken == "ended":
                 head = [plain(batch) for batch in iterator]
@@ -673,7 +664,7 @@ def test_a_loader_cut_at_an_edge_resumes_exactly_across_epochs(chain: str, confi
             del iterator
         with rst.Loader(build, **options) as resumed:
             resumed.load_state_dict(state)
-            rest = [] if taken == "ended" else epoch_of(resumed)
+            rest = [] if taken == "ended" else loader_epoch(resumed)
             assert head + rest == expected[epoch], (epoch, taken)
             nxt = iter(resumed)
             one = plain(next(nxt))
@@ -681,4 +672,4 @@ def test_a_loader_cut_at_an_edge_resumes_exactly_across_epochs(chain: str, confi
             del nxt
         with rst.Loader(build, **options) as second:
             second.load_state_dict(again)
-            assert [one, *epoch_of(second)] == expected[epoch + 1], (epoch, taken)
+            assert [one, *loader_epoch(second)] == expected[epoch + 1], (epoch, taken)

@@ -34,8 +34,8 @@ import torch
 
 INLINE_BYTES = 256 << 10
 """Up to this many bytes of tensors a batch travels inline. Measured on a 2-core machine, two
-workers, per batch: at 64 kB the main process spends 100 us inline against 500 us with a
-segment; at 256 kB 233 against 333; at 1 MB 1,450 against 567 (bench/bench_loader.py,
+workers, per batch: at 64 kB the main process spends 192 us inline against 574 us with torch's
+segment; at 256 kB 371 against 340; at 1 MB 1,242 against 504 (bench/bench_transport.py,
 docs/benchmarks.md). The main process, which runs the training step, sets the limit."""
 
 ALIGNMENT = 64

@@ -244,3 +244,54 @@ def test_a_restored_state_s_seeds_are_in_every_state_after_it_as_in_torchdata_s(
         assert resumed.state_dict()["loader"]["_snapshot"]["_main_snapshot"]["_base_seed"] == 12345
     assert handed_out == 37 // 3 + 1 - 2
     resumed.close()
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["fresh", "persistent"])
+def test_each_state_dict_call_is_a_new_state_with_the_pass_s_header(persistent: bool) -> None:
+    """``state_dict()`` per step returns the state built as the batch arrived: each call a new
+    outer dict and a new torchdata part (the snapshot shared between the calls of one step, as
+    torchdata shares its own), so what a caller adds or changes in one is in no later state;
+    each pass's states hold that pass's epoch, and the state after a pass says it ended."""
+    loader = Loader(functools.partial(uneven, 20), num_workers=2, persistent_workers=persistent, prefetch_factor=2)
+    for epoch in range(3):
+        handed_out = 0
+        for _ in loader:
+            handed_out += 1
+            first, second = loader.state_dict(), loader.state_dict()
+            assert first == second and first is not second and first["loader"] is not second["loader"]
+            first["epoch"], first["loader"]["_steps_since_snapshot"], first["extra"] = 99, 7, 1
+            taken = loader.state_dict()
+            assert taken == second
+            assert parse_loader_state(taken).epoch == epoch
+            assert parse_loader_state(taken).handed_out == handed_out and not parse_loader_state(taken).finished
+        ended = parse_loader_state(loader.state_dict())
+        assert ended.finished and ended.epoch == epoch and ended.handed_out == handed_out == 8  # 2 x ceil(10 / 3)
+    loader.close()
+
+
+def test_a_batch_interrupted_before_torchdata_counts_it_is_not_in_the_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C after the Loader recorded a batch's state but before torchdata counted the batch
+    as handed out (it never reached the loop): the state is the one before it, and a Loader
+    restored from it hands that batch out next."""
+    from torchdata.stateful_dataloader.stateful_dataloader import _StatefulMultiProcessingDataLoaderIter
+
+    build = functools.partial(uneven, 30)
+    reference = [as_lists(batch) for batch in Loader(build, num_workers=2)]
+    loader = Loader(build, num_workers=2, prefetch_factor=2)
+    iterator = iter(loader)
+    got = [as_lists(next(iterator)) for _ in range(3)]
+    before = loader.state_dict()
+    process_data = _StatefulMultiProcessingDataLoaderIter._process_data
+
+    def interrupted(self: Any, *args: Any) -> Any:
+        monkeypatch.setattr(_StatefulMultiProcessingDataLoaderIter, "_process_data", process_data)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_StatefulMultiProcessingDataLoaderIter, "_process_data", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        next(iterator)
+    assert loader.state_dict() == before
+    loader.close()
+    resumed = Loader(build, num_workers=2)
+    resumed.load_state_dict(before)
+    assert got + [as_lists(batch) for batch in resumed] == reference

@@ -126,6 +126,7 @@ class Loader(StatefulDataLoader):  # type: ignore[misc]  # torchdata is untyped 
         self._epoch = 0  # the epoch of the current pass, or of the next one before any
         self._next_iter_advances = False  # whether the next iter() starts epoch _epoch + 1
         self._loaded: dict[str, Any] | None = None  # the state loaded, until the next iter()
+        self._pass_header: dict[str, Any] = {}  # the current pass's (_header), set by iter()
         _OPEN_LOADERS.add(self)
         self._built = True
 
@@ -152,6 +153,7 @@ class Loader(StatefulDataLoader):  # type: ignore[misc]  # torchdata is untyped 
             _torchdata.shut_down_half_built_iterators(error)
             raise
         self._epoch, self._next_iter_advances, self._loaded = epoch, True, None
+        self._pass_header = self._header()
         if rescaled and self.num_workers:
             self.dataset.rescaled = None  # the workers have their copies
         if self.num_workers:
@@ -257,6 +259,12 @@ class Loader(StatefulDataLoader):  # type: ignore[misc]  # torchdata is untyped 
 
     def state_dict(self) -> dict[str, Any]:
         """Every worker's position as of the last batch handed out, as JSON data."""
+        iterator = self._iterator  # _torchdata.current_iterator(self), inlined (see _torchdata)
+        latest = None if iterator is None else iterator.latest
+        if latest is not None:  # per training step: the state built as the last batch arrived
+            state = self._pass_header.copy()
+            state[LOADER] = latest.copy()
+            return state
         if self._loaded is not None:
             return copy.deepcopy(self._loaded)  # loaded but not iterated yet: nothing moved
         iterator = _torchdata.current_iterator(self)
@@ -267,6 +275,10 @@ class Loader(StatefulDataLoader):  # type: ignore[misc]  # torchdata is untyped 
             loader_state = super().state_dict()
         else:  # what StatefulDataLoader.state_dict() returns then, one call shorter (per training step)
             loader_state = iterator.state_dict()
+        return {**self._header(), LOADER: loader_state}
+
+    def _header(self) -> dict[str, Any]:
+        """Every entry of a state but torchdata's: the same through a pass."""
         rank, world_size = self.dataset.rank  # read when this pass started: the rank its workers inherited
         return {
             FORMAT: FORMAT_NAME,
@@ -275,7 +287,6 @@ class Loader(StatefulDataLoader):  # type: ignore[misc]  # torchdata is untyped 
             WORLD_SIZE: world_size,
             NUM_WORKERS: self.num_workers,
             SNAPSHOT_EVERY: EVERY_BATCH,  # kept, so that the previous version still reads these states
-            LOADER: loader_state,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any] | Sequence[dict[str, Any]]) -> None:

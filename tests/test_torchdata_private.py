@@ -35,6 +35,8 @@ def test_every_private_attribute_still_exists(workers: int) -> None:
             if isinstance(iterator, cls):
                 for name in names:
                     assert hasattr(iterator, name), f"torchdata's {cls.__name__} no longer sets {name}"
+        if not workers:
+            assert isinstance(getattr(iterator, "_NUM_YIELDED", None), str), "torchdata's iterator has no _NUM_YIELDED"
         if workers:
             for name in (*SNAPSHOT_ENTRIES, "_STEPS_SINCE_SNAPSHOT"):
                 assert isinstance(getattr(iterator, name, None), str), f"torchdata's iterator has no {name}"
@@ -98,3 +100,57 @@ def test_the_main_snapshot_is_torchdata_s() -> None:
             assert (ours["_index_sampler_state"] is not None) == (sampler is not None)
         finally:
             iterator._shutdown_workers()
+
+
+class StatefulIterable(torch.utils.data.IterableDataset):  # type: ignore[type-arg]  # a plain test dataset
+    """A dataset whose iterator is ``Stateful`` and not the dataset itself (as a
+    ``PipelineDataset``'s), and which is ``Stateful`` too."""
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return StatefulIterator()
+
+    def state_dict(self) -> dict[str, int]:
+        return {"dataset": 1}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Nothing to load."""
+
+
+class StatefulIterator:
+    def __init__(self) -> None:
+        self.served = 0
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return self
+
+    def __next__(self) -> int:
+        self.served += 1
+        if self.served > 5:
+            raise StopIteration
+        return self.served
+
+    def state_dict(self) -> dict[str, int]:
+        return {"served": self.served}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.served = state["served"]
+
+
+@pytest.mark.parametrize(
+    "dataset",
+    [StatefulIterable(), rst.PipelineDataset(lambda: rs.from_list([1, 2, 3])), "map"],
+    ids=["stateful-iterable", "pipeline", "map"],
+)
+def test_the_single_process_state_is_torchdata_s(dataset: object) -> None:
+    """Without workers the iterator's ``state_dict()`` asks the ``Stateful`` question once per
+    class; its entries must stay torchdata's, for an iterable dataset (stateful or not, its
+    iterator itself or not) and a map-style one, before, during and after a pass."""
+    if dataset == "map":
+        dataset = torch.utils.data.TensorDataset(torch.arange(4))
+    loader = StatefulDataLoader(dataset, batch_size=None)
+    iterator = _torchdata.new_iterator(loader, None)
+    torchdata_s = super(_torchdata._SingleProcessIterator, iterator).state_dict
+    assert iterator.state_dict() == torchdata_s()
+    for _ in iterator:
+        assert iterator.state_dict() == torchdata_s()
+    assert iterator.state_dict() == torchdata_s() and iterator.state_dict()["_iterator_finished"]

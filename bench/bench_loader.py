@@ -41,9 +41,12 @@ out the batches whose state was a packer's whole one), ``kB`` the median size of
 with ``--baseline``, a third copy built and saved by the other version advances in the same
 lockstep (the two take turns going first).
 
-    python bench/bench_loader.py [--batches N] [--workers 2 4] [--runs 5] [--pipelines tokens packed bpe]
+    python bench/bench_loader.py [--batches N] [--workers 0 2 4] [--runs 5] [--pipelines tokens packed bpe]
     python bench/bench_loader.py --in-process [--batches N] [--runs 5] [--pipelines tokens packed bpe]
     PYTHONPATH=<dir> python bench/bench_loader.py --baseline resumable_before ...   # another version too
+
+``--workers 0`` runs the loops without workers (no transport: ``same transport`` is the plain
+DataLoader again), where ``state_dict()`` builds the pipeline's state at each call.
 
 ``--batches`` defaults to 1500 per run for ``tokens``, 400 for ``packed``, 500 for ``bpe``.
 """
@@ -192,7 +195,7 @@ def time_loop(loader: Any, batches: int, take_state: bool) -> tuple[float, float
     state_dict() call (on shared cores some include a preemption by the workers or other jobs)."""
     iterator = iter(loader)
     next(iterator)
-    workers = [worker.pid for worker in iterator._workers]  # torch's, for their CPU time
+    workers = [worker.pid for worker in getattr(iterator, "_workers", ())]  # torch's, for their CPU time
     calls: list[float] = []
     clock = time.perf_counter
     cpu = -time.process_time() - sum(map(process_cpu, workers))
@@ -238,6 +241,7 @@ def compare(
     if control:
         loaders["control"] = (control_loader, build)
     kinds = ["plain", "transport", *loaders]
+    prefetch = PREFETCH_FACTOR if workers else None  # torch refuses one without workers
     seconds: dict[str, list[float]] = {kind: [] for kind in kinds}
     cpu: dict[str, list[float]] = {kind: [] for kind in kinds}
     shares: dict[str, list[float]] = {kind: [] for kind in loaders}
@@ -249,13 +253,13 @@ def compare(
                     PlainDataset(build),
                     batch_size=None,
                     num_workers=workers,
-                    prefetch_factor=PREFETCH_FACTOR,
-                    collate_fn=convert_for_transport if kind == "transport" else None,
+                    prefetch_factor=prefetch,
+                    collate_fn=convert_for_transport if kind == "transport" and workers else None,
                 )
                 wall, used, _ = time_loop(plain, batches, take_state=False)
             else:
                 loader_class, builder = loaders[kind]
-                loader = loader_class(builder, num_workers=workers, prefetch_factor=PREFETCH_FACTOR)
+                loader = loader_class(builder, num_workers=workers, prefetch_factor=prefetch)
                 wall, used, calls = time_loop(loader, batches, take_state=True)
                 shares[kind].append(sum(calls) / wall)
                 median_shares[kind].append(statistics.median(calls) * batches / wall)

@@ -1,6 +1,6 @@
 """A small real training script that survives preemption.
 
-    python examples/train.py --run-dir runs/a --steps 200
+    python examples/train.py --run-dir examples/runs/a --steps 200
 
 A tiny byte-level causal language model trains on CPU on a JSONL corpus the script generates
 (in ``--data``, once). The data pipeline shuffles, shards, tokenises, packs documents into rows

@@ -161,6 +161,28 @@ def test_packer_buffer_is_summarised(tmp_path: Path) -> None:
     assert "stats: documents=" in out
 
 
+def test_packer_buffer_is_one_line_in_every_form_of_its_state(tmp_path: Path) -> None:
+    """A packer saves its buffer as reference lists, in a compact encoding, or as an earlier
+    state and the events since: the report summarises it the same way in each, its current
+    statistics once, and shows none of the raw entries (a base64 blob, an event log)."""
+    documents = [{"input_ids": np.arange(n)} for n in np.random.default_rng(0).integers(1, 300, 200)]
+    pipe = rs.from_list(documents).shuffle(1).pack(256, strategy="best_fit", buffer_size=40)
+    forms = set()
+    for step in range(12):
+        next(pipe)
+        state = pipe.get_state()
+        form = "events" if "base_progress" in state else "compact" if "refs" in state else "lists"
+        forms.add(form)
+        rs.save_state(state, tmp_path / f"pack{step}.json")
+        out = describe(str(tmp_path / f"pack{step}.json"))
+        pending = len(set(pipe.pending_keys()))
+        assert f"buffer: {pending} documents referenced" in out, form
+        assert out.count("stats: ") == 1 and f"rows={step + 1}," in out, form
+        for raw in ("refs", "data=", "base_progress", "events_since", "event_origins", "sections", "open_sizes"):
+            assert raw not in out, (form, raw)
+    assert {"events", "compact"} <= forms
+
+
 def test_mix_components_are_described(tmp_path: Path) -> None:
     pipe = rs.mix(
         {"web": rs.from_list(list(range(50))).shuffle(1), "code": rs.from_list(list(range(30))).shuffle(2)},

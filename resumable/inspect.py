@@ -44,19 +44,14 @@ from resumable.order.shard import NEXT_REMAP, REMAP
 from resumable.pack._buffered import listed
 from resumable.pack._entries import (
     BASE_PROGRESS,
-    EVENT_ORIGINS,
-    EVENTS,
+    BUFFER_ENTRIES,
     EXHAUSTED,
     INHERITED,
-    INHERITED_SIZES,
     OPEN,
     OPEN_SIZES,
     READY,
     READY_SIZES,
     REFS,
-    RESERVED,
-    SECTIONS,
-    SPAN,
 )
 from resumable.pack.node import Pack
 from resumable.sources._line_scan import UTF8_BOM
@@ -65,12 +60,6 @@ from resumable.sources.files import FILES, LEGACY_FINGERPRINT_LENGTH, MTIME_NS, 
 CURSOR_KEYS = (EPOCH, POSITION, LENGTH)
 NODE_KEYS = (KIND, VERSION, UPSTREAM)  # a pipeline state holds all of them (a source, the first two)
 PIECES = (OPEN, READY, INHERITED)  # a packer's references, [*mix component names, epoch, record, start, end]
-PACK_BUFFER_KEYS = frozenset(
-    (OPEN, OPEN_SIZES, READY, READY_SIZES, SPAN, RESERVED, INHERITED, INHERITED_SIZES, REFS, SECTIONS, EXHAUSTED)
-    + (BASE_PROGRESS, EVENTS, EVENT_ORIGINS)
-)
-"""A packer's buffer in each of its forms (lists, compact, an earlier state and the events
-since): shown as one summary line (``_pack_buffer``), never as raw entries."""
 UNIX_EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
 # Counts the report shows (cursors, file sizes) fit int64; larger ones are damage.
 # A damaged value shown in an error is cut to this many characters: the error stays one line.
@@ -317,7 +306,7 @@ def _node_details(state: dict[str, Any]) -> list[str]:
         for key, value in node.items():
             if key in (KIND, VERSION, UPSTREAM, ENDED, FILES, COMPONENTS, REMAP, NEXT_REMAP, *CURSOR_KEYS):
                 continue
-            if is_pack and key in PACK_BUFFER_KEYS:
+            if is_pack and key in BUFFER_ENTRIES:  # summarised below (_pack_buffer)
                 continue
             if isinstance(value, list):
                 fields.append(f"{key}: {len(value)} entries")

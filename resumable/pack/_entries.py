@@ -47,6 +47,12 @@ INHERITED = "inherited"
 EMITTED = "emitted"
 PLANNED = "planned"
 INHERITED_SIZES = "inherited_sizes"
+BUFFER_ENTRIES = frozenset(
+    (OPEN, OPEN_SIZES, READY, READY_SIZES, SPAN, EXHAUSTED, RESERVED, REFS, SECTIONS, INHERITED, INHERITED_SIZES)
+    + (BASE_PROGRESS, EVENTS, EVENT_ORIGINS)
+)
+"""Every entry that holds a packer's buffer, in each form of its state (lists, compact, an
+earlier state and the events since)."""
 # Counters, in both modes.
 STATS = "stats"
 

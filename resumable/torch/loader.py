@@ -415,7 +415,7 @@ def _check_snapshot_every(every: Any) -> None:
     if every != EVERY_BATCH:
         warnings.warn(
             f"Loader: snapshot_every_n_steps={every} is ignored and deprecated: workers now hand their state over "
-            "with every batch at no measurable cost, so restores replay nothing; drop the argument",
+            "with every batch, so restores replay nothing; drop the argument",
             FutureWarning,
             stacklevel=3,
         )

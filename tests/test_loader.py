@@ -630,3 +630,47 @@ def test_len_after_loading_a_later_epoch_is_that_epoch_s_own_and_rescaled() -> N
             assert rest == [batch["input_ids"].tolist() for batch in untouched]
             if world_size == 2:
                 assert before == lengths[0] != len(rst.Loader(varying_lengths))  # epoch 0's differs
+
+
+def keep_none(record: int) -> bool:
+    return False
+
+
+def barren_endless() -> rs.Node:
+    """An endless read whose filter keeps nothing: a ``BarrenEpochWarning`` after its first epoch."""
+    return rs.from_list(list(range(40))).shard().repeat().filter(keep_none)
+
+
+@pytest.mark.parametrize("context", ["spawn", "forkserver"])
+def test_filters_on_the_library_s_warnings_reach_workers_that_inherit_none(context: str) -> None:
+    """A ``BarrenEpochWarning`` made an error in the training script stops a worker's endless
+    read also where the worker inherits no warning filters (``spawn``, macOS's default, and
+    ``forkserver``): the Loader applies the main process's filters on its own warnings there.
+    (Forked workers inherit them: tests/test_endless_upstream_adversary.py.)"""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", rs.BarrenEpochWarning)
+        loader = Loader(barren_endless, num_workers=1, multiprocessing_context=context, timeout=30)
+        with pytest.raises(rs.BarrenEpochWarning, match="Filter: the predicate kept no item"):
+            next(iter(loader))
+        loader.close()
+
+
+def test_only_filters_on_the_library_s_warnings_go_to_workers_in_their_order() -> None:
+    """Filters on other categories (a user's own, which a spawned worker may not import; all
+    warnings) stay in the main process; the library's keep their order."""
+    from resumable.torch.loader import own_warning_filters
+
+    class Mine(UserWarning):
+        pass
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", rs.ChunkCacheWarning)
+        warnings.simplefilter("error", Mine)
+        warnings.filterwarnings("error", message="Filter: ", category=rs.BarrenEpochWarning, module="resumable")
+        warnings.simplefilter("error")
+        shipped = own_warning_filters()
+    assert [(action, category) for action, _, category, _, _ in shipped] == [
+        ("error", rs.BarrenEpochWarning),
+        ("ignore", rs.ChunkCacheWarning),
+    ]
+    assert shipped[0][1].pattern == "Filter: " and shipped[0][3].pattern == "resumable"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import atexit
 import copy
-import functools
 import json
+import re
 import threading
 import warnings
 import weakref
@@ -17,7 +17,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from resumable._worker_signals import init_worker
 from resumable.core.options import finite_float, flag_option, int_option
 from resumable.core.state import check_json, holds_kind
-from resumable.errors import ConfigError, StateError
+from resumable.errors import ConfigError, ResumableWarning, StateError
 from resumable.loader_state import (
     EPOCH,
     FORMAT,
@@ -107,7 +107,7 @@ class Loader(StatefulDataLoader):  # type: ignore[misc]  # torchdata is untyped 
             collate_fn = UserCollate(collate_fn)
         if num_workers:  # each batch comes with its state (_torchdata._MultiProcessIterator)
             collate_fn = CollateBatch(collate_fn)
-        worker_init_fn = functools.partial(_init_worker, worker_init_fn, ignore_others_sigterm=workers_ignore_sigterm)
+        worker_init_fn = WorkerStart(worker_init_fn, workers_ignore_sigterm)
         with warnings.catch_warnings():  # torchdata calls a deprecated torch function here
             warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
             super().__init__(
@@ -144,6 +144,7 @@ class Loader(StatefulDataLoader):  # type: ignore[misc]  # torchdata is untyped 
         epoch = self._next_epoch() if self._next_iter_advances else self._epoch
         rescaled = self.dataset.rescaled is not None
         self.dataset.set_epoch(epoch)
+        cast("WorkerStart", self.worker_init_fn).warning_filters = own_warning_filters()  # for workers it starts
         try:
             iterator = super().__iter__()
         except StopIteration as error:  # an old state's batches since its snapshot ran out (_legacy_overrun)
@@ -400,11 +401,48 @@ def _check_worker_options(
     return seconds, prefetch_factor
 
 
-def _init_worker(user_init: Callable[[int], None] | None, worker_id: int, *, ignore_others_sigterm: bool) -> None:
-    """A Loader worker's start: its dataset (the worker's own copy) hands errors over with the
-    state after them (``dataset.Failure``), then ``init_worker``."""
-    cast("Any", get_worker_info()).dataset.ships_failures = True
-    init_worker(user_init, worker_id, ignore_others_sigterm=ignore_others_sigterm)
+WarningFilter = tuple[str, "re.Pattern[str] | None", Any, "re.Pattern[str] | None", int]
+"""An entry of ``warnings.filters``: action, message pattern, category, module pattern, line."""
+
+
+class WorkerStart:
+    """A Loader worker's start (its ``worker_init_fn``): its dataset (the worker's own copy)
+    hands errors over with the state after them (``dataset.Failure``); the main process's
+    filters on resumable's warnings apply there too; then ``init_worker`` (signals, and the
+    user's ``worker_init_fn``). A class, so that it pickles into spawned workers.
+
+    A forked worker inherits the main process's warning filters; one started by ``spawn`` or
+    ``forkserver`` (macOS's default) does not, so a ``BarrenEpochWarning`` made an error in the
+    training script would only be printed there. The filters on ``rs.ResumableWarning`` and its
+    subclasses are read as each pass's workers start (``Loader.__iter__``) and applied in each
+    worker, ahead of its own, unless it has them already (forked)."""
+
+    def __init__(self, user_init: Callable[[int], None] | None, ignore_others_sigterm: bool) -> None:
+        self.user_init = user_init
+        self.ignore_others_sigterm = ignore_others_sigterm
+        self.warning_filters: tuple[WarningFilter, ...] = ()
+
+    def __call__(self, worker_id: int) -> None:
+        cast("Any", get_worker_info()).dataset.ships_failures = True
+        missing = [entry for entry in self.warning_filters if entry not in warnings.filters]
+        for action, message, category, module, lineno in reversed(missing):  # each goes first: keep their order
+            warnings.filterwarnings(
+                action,  # type: ignore[arg-type]  # an action warnings itself stored
+                message.pattern if message is not None else "",
+                category,
+                module.pattern if module is not None else "",
+                lineno,
+            )
+        init_worker(self.user_init, worker_id, ignore_others_sigterm=self.ignore_others_sigterm)
+
+
+def own_warning_filters() -> tuple[WarningFilter, ...]:
+    """This process's warning filters on ``rs.ResumableWarning`` and its subclasses, in
+    ``warnings.filters``' order (the first that matches wins); the categories are importable,
+    so the filters pickle into spawned workers."""
+    return tuple(
+        entry for entry in warnings.filters if isinstance(entry[2], type) and issubclass(entry[2], ResumableWarning)
+    )
 
 
 def _check_snapshot_every(every: Any) -> None:

@@ -336,6 +336,11 @@ def current_iterator(loader: Any) -> Any:
 def stop_iterator(loader: Any) -> None:
     """Drop the loader's iterator and stop its workers now."""
     iterator, loader._iterator = loader._iterator, None
+    shut_down(iterator)
+
+
+def shut_down(iterator: Any) -> None:
+    """Stop ``iterator``'s workers now (if it has any)."""
     if isinstance(iterator, _StatefulMultiProcessingDataLoaderIter):
         iterator._shutdown_workers()
 

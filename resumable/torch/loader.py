@@ -139,6 +139,11 @@ class Loader(StatefulDataLoader):  # type: ignore[misc]  # torchdata is untyped 
         super().__setattr__(name, value)
 
     def __iter__(self) -> Any:
+        # Persistent workers start the next pass in place: if that fails (a Ctrl-C while they
+        # restart, an error of a pipeline as it starts), the loader goes back to this state.
+        before = None
+        if self.persistent_workers and self._loaded is None and _torchdata.current_iterator(self) is not None:
+            before = parse_loader_state(self.state_dict())
         if self._next_iter_advances:
             self.dataset.carried = self._carried()
         epoch = self._next_epoch() if self._next_iter_advances else self._epoch
@@ -151,6 +156,12 @@ class Loader(StatefulDataLoader):  # type: ignore[misc]  # torchdata is untyped 
             _torchdata.shut_down_half_built_iterators(error)
             raise self._legacy_overrun() from None
         except BaseException as error:
+            if before is not None:  # the pass did not start: as if iter() had not been called
+                # first: a worker that dies of it may raise in this process at any moment
+                # (torch's SIGCHLD handler), and the state must be the one before by then
+                restarting = _torchdata.current_iterator(self)
+                self._resume(before)
+                _torchdata.shut_down(restarting)
             _torchdata.shut_down_half_built_iterators(error)
             raise
         self._epoch, self._next_iter_advances, self._loaded = epoch, True, None
@@ -362,11 +373,12 @@ class Loader(StatefulDataLoader):  # type: ignore[misc]  # torchdata is untyped 
         rescaled: dict[int, str] | None,
         loaded: dict[str, Any] | None,
     ) -> None:
-        """Where the next ``iter()`` goes: drop the current pass, then set every piece at once."""
+        """Where the next ``iter()`` goes: set every piece at once (the loaded state first, which
+        ``state_dict()`` returns from then on), then drop the current pass."""
+        self._epoch, self._next_iter_advances, self._loaded = epoch, next_iter_advances, loaded
+        self.dataset.rescaled = rescaled
         super().load_state_dict(resume if resume is not None else {})  # {} only drops the current pass
         self.next_iter_state = resume
-        self.dataset.rescaled = rescaled
-        self._epoch, self._next_iter_advances, self._loaded = epoch, next_iter_advances, loaded
 
 
 CARRIED_KINDS = frozenset({Even.kind, FromTorchdata.kind})

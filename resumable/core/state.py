@@ -165,20 +165,6 @@ def check_json(value: Any, path: str) -> None:
             raise StateError(f"{path}: state holds a {type(item).__name__}, only JSON types are allowed")
 
 
-def holds_kind(state: Any, kinds: frozenset[str]) -> bool:
-    """Whether a state (JSON data) has a node of one of ``kinds`` in it, however deep."""
-    pending = [state]
-    while pending:
-        value = pending.pop()
-        if isinstance(value, dict):
-            if value.get(KIND) in kinds:
-                return True
-            pending.extend(value.values())
-        elif isinstance(value, list):
-            pending.extend(value)
-    return False
-
-
 def short_repr(value: Any, limit: int = 80) -> str:
     """``repr(value)``, cut to ``limit`` characters: a hostile state may hold huge values."""
     text = reprlib.repr(value)

@@ -16,7 +16,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from resumable._worker_signals import init_worker
 from resumable.core.options import finite_float, flag_option, int_option
-from resumable.core.state import check_json, holds_kind
+from resumable.core.state import check_json
 from resumable.errors import ConfigError, ResumableWarning, StateError
 from resumable.loader_state import (
     EPOCH,
@@ -34,12 +34,10 @@ from resumable.loader_state import (
     LoaderState,
     parse_loader_state,
 )
-from resumable.ops.even import Even
 from resumable.order.topology import distributed_rank
 from resumable.torch import _torchdata
 from resumable.torch.dataset import CollateBatch, PipelineDataset, PipelineOrFactory, UserCollate
 from resumable.torch.elastic import factory_of, rescale_for_rank
-from resumable.torch.tdnodes import FromTorchdata
 
 EVERY_BATCH = 1
 """The snapshot interval states record: workers hand their pipeline state over with every
@@ -209,8 +207,13 @@ class Loader(StatefulDataLoader):  # type: ignore[misc]  # torchdata is untyped 
 
     def _carried(self) -> dict[int, str] | None:
         """Each worker's final pipeline state of the epoch that ended, when the processes that
-        held it are gone (fresh workers, or a loaded state) and it holds a node whose next
-        epoch continues from it (``CARRIED_KINDS``); None when nothing needs carrying."""
+        held it are gone (fresh workers, or a loaded state); None when no epoch ended there.
+
+        The next pass's pipelines take it before they start their epoch, as persistent workers'
+        pipelines go on from theirs: a node whose next epoch continues from the one that ended
+        (``.even()``'s carry, a torchdata graph's next pass) continues, and a file that changed
+        since the state was taken is found (``set_state`` checks the fingerprints), where a
+        pipeline built afresh would fingerprint the new file and read it."""
         if self._loaded is not None:
             state = self._loaded
         elif self.num_workers and not self.persistent_workers and _torchdata.current_iterator(self) is not None:
@@ -218,7 +221,7 @@ class Loader(StatefulDataLoader):  # type: ignore[misc]  # torchdata is untyped 
         else:
             return None
         ended = parse_loader_state(state)
-        if not ended.finished or not any(holds_kind(pipeline, CARRIED_KINDS) for pipeline in ended.pipelines):
+        if not ended.finished:
             return None
         return {worker: json.dumps(pipeline) for worker, pipeline in enumerate(ended.pipelines)}
 
@@ -381,9 +384,6 @@ class Loader(StatefulDataLoader):  # type: ignore[misc]  # torchdata is untyped 
         self.next_iter_state = resume
 
 
-CARRIED_KINDS = frozenset({Even.kind, FromTorchdata.kind})
-"""Nodes whose next epoch continues from the one that ended, so that a fresh pipeline cannot
-start it: ``.even()``'s carry, and a torchdata graph's next pass (it has no epoch number)."""
 LOADER_KIND = "Loader"
 """How errors about the Loader's own options name it."""
 FIXED_OPTIONS = frozenset(

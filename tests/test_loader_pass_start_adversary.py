@@ -365,11 +365,6 @@ def test_a_file_changed_between_epochs_stops_the_next_pass(workers: int, persist
             loader.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: Loader.close() without workers raises SourceError when a file changed after a pass "
-    "(state_dict() re-checks the files); with workers it closes",
-)
 def test_close_without_workers_after_a_file_changed(tmp_path: Path) -> None:
     """close() (also run by ``with loader:`` on the way out of an error) stops a Loader whatever
     its files became: an ended pass, then the file rewritten, then close() must not raise."""
@@ -520,11 +515,6 @@ def test_a_filter_on_an_importable_subclass_of_the_library_s_warning_reaches_spa
             loader.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a filter on a user's ResumableWarning subclass defined in a function is shipped to spawn "
-    "workers and fails to pickle: iter() raises AttributeError and no worker starts",
-)
 def test_a_filter_on_a_local_subclass_of_the_library_s_warning_does_not_break_spawn() -> None:
     """The filters shipped to spawned workers must not stop them from starting: one on a class
     they cannot import (defined in a function) should stay in the main process."""

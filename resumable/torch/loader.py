@@ -6,6 +6,7 @@ import atexit
 import copy
 import json
 import re
+import sys
 import threading
 import warnings
 import weakref
@@ -17,7 +18,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from resumable._worker_signals import init_worker
 from resumable.core.options import finite_float, flag_option, int_option
 from resumable.core.state import check_json
-from resumable.errors import ConfigError, ResumableWarning, StateError
+from resumable.errors import ConfigError, ResumableWarning, SourceError, StateError
 from resumable.loader_state import (
     EPOCH,
     FORMAT,
@@ -251,10 +252,16 @@ class Loader(StatefulDataLoader):  # type: ignore[misc]  # torchdata is untyped 
         return iterator
 
     def close(self) -> None:
-        """Stop the workers now. The next ``iter()`` starts new ones where this one stopped."""
+        """Stop the workers now. The next ``iter()`` starts new ones where this one stopped, or,
+        where no state can be taken (a file changed under a pipeline without workers: its state
+        check raises ``SourceError``), the next epoch: closing never fails on the data."""
         if _torchdata.current_iterator(self) is None:
             return
-        state = self.state_dict()
+        try:
+            state = self.state_dict()
+        except SourceError:
+            self._stop_workers()
+            return
         self._stop_workers()
         self.load_state_dict(state)
 
@@ -450,11 +457,21 @@ class WorkerStart:
 
 def own_warning_filters() -> tuple[WarningFilter, ...]:
     """This process's warning filters on ``rs.ResumableWarning`` and its subclasses, in
-    ``warnings.filters``' order (the first that matches wins); the categories are importable,
-    so the filters pickle into spawned workers."""
+    ``warnings.filters``' order (the first that matches wins), but for categories a spawned
+    worker could not import by name (a subclass defined in a function): they would not pickle."""
     return tuple(
-        entry for entry in warnings.filters if isinstance(entry[2], type) and issubclass(entry[2], ResumableWarning)
+        entry
+        for entry in warnings.filters
+        if isinstance(entry[2], type) and issubclass(entry[2], ResumableWarning) and _importable(entry[2])
     )
+
+
+def _importable(cls: type) -> bool:
+    """Whether ``cls`` is found again by its module and qualified name, as pickle finds it."""
+    found: Any = sys.modules.get(cls.__module__)
+    for name in cls.__qualname__.split("."):
+        found = getattr(found, name, None)
+    return found is cls
 
 
 def _check_snapshot_every(every: Any) -> None:

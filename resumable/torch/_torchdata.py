@@ -244,11 +244,7 @@ class _MultiProcessIterator(_Bounded, _StatefulMultiProcessingDataLoaderIter):  
         batch = super().__next__()
         as_of_batch = self._as_of_batch
         if as_of_batch is not None and as_of_batch.step == self._num_yielded:
-            self.latest = {
-                self._SNAPSHOT: as_of_batch.snapshot,
-                self._STEPS_SINCE_SNAPSHOT: 0,
-                _ITERATOR_FINISHED: self._finished,
-            }
+            self.latest = self._state_as_of(as_of_batch)
         return batch
 
     def _update_worker_snapshot(self, worker_key: str, state_dict: Any) -> None:
@@ -277,6 +273,10 @@ class _MultiProcessIterator(_Bounded, _StatefulMultiProcessingDataLoaderIter):  
             as_of_batch = self._as_of_batch_before
         if as_of_batch is None:  # no batch since the pass started or was restored: torchdata's own
             return cast("dict[str, Any]", super().state_dict())
+        return self._state_as_of(as_of_batch)
+
+    def _state_as_of(self, as_of_batch: _AsOfBatch) -> dict[str, Any]:
+        """torchdata's state with ``as_of_batch``'s snapshot, the batches handed out since counted."""
         return {
             self._SNAPSHOT: dict(as_of_batch.snapshot),  # its entries shared, as in torchdata's
             self._STEPS_SINCE_SNAPSHOT: self._num_yielded - as_of_batch.step,

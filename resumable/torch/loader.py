@@ -258,12 +258,12 @@ class Loader(StatefulDataLoader):  # type: ignore[misc]  # torchdata is untyped 
         if _torchdata.current_iterator(self) is None:
             return
         try:
-            state = self.state_dict()
+            state: dict[str, Any] | None = self.state_dict()
         except SourceError:
-            self._stop_workers()
-            return
+            state = None
         self._stop_workers()
-        self.load_state_dict(state)
+        if state is not None:
+            self.load_state_dict(state)
 
     def _stop_workers(self) -> None:
         _torchdata.stop_iterator(self)
@@ -289,7 +289,6 @@ class Loader(StatefulDataLoader):  # type: ignore[misc]  # torchdata is untyped 
             return state
         if self._loaded is not None:
             return copy.deepcopy(self._loaded)  # loaded but not iterated yet: nothing moved
-        iterator = _torchdata.current_iterator(self)
         if iterator is None:  # torchdata starts the next pass to read its initial state
             if self._next_iter_advances:
                 self._epoch, self._next_iter_advances = self._next_epoch(), False

@@ -21,30 +21,14 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import pytest
-import torch
 
 import resumable as rs
 from resumable.torch import Loader, _torchdata
+from tests.resume import plain
 
 EPOCHS = 3
 Factory = Callable[[], rs.Node]
-
-
-def plain(value: Any) -> Any:
-    """A batch as plain Python data (tensors and arrays as lists), comparable across modes."""
-    if isinstance(value, torch.Tensor):
-        return value.tolist()
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, dict):
-        return {key: plain(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [plain(item) for item in value]
-    return value
 
 
 def make(pipeline: Any, workers: int, persistent: bool = False) -> Loader:
